@@ -1,0 +1,1 @@
+"""BPF programs (``*.bpf.c`` + shared ``*.h``) and the one bcc loader module (:mod:`llmdiag.bpf.loader`)."""

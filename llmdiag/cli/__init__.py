@@ -1,0 +1,1 @@
+"""Command line: argument parsing, the rich reports, the Textual TUI and the agent wiring."""

@@ -1,0 +1,5 @@
+import sys
+
+from llmdiag.cli.main import main
+
+sys.exit(main())

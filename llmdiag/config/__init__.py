@@ -1,0 +1,73 @@
+"""Configuration: one TOML file, a default for every key, unknown keys rejected.
+
+The root :class:`Config` has one field per section; each section is a frozen
+dataclass in its own module beside this one, owned by the layer that uses it.
+Global CLI options (``--backend URL``) override the file through
+:meth:`Config.with_backends`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmdiag.config.agent import AgentConfig, BackendEntry
+from llmdiag.config.loader import ConfigError, build, to_data
+from llmdiag.model import Backend
+
+__all__ = ["AgentConfig", "BackendEntry", "Config", "ConfigError", "load_config", "to_data"]
+
+
+@dataclass(frozen=True)
+class Config:
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    backends: tuple[BackendEntry, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [b.to_backend().name for b in self.backends]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate backend names: {', '.join(dupes)}")
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> Config:
+        return build(cls, data)
+
+    @classmethod
+    def from_toml(cls, text: str, source: str = "<string>") -> Config:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+        try:
+            return cls.from_data(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+    def backend_list(self) -> list[Backend]:
+        return [b.to_backend() for b in self.backends]
+
+    def with_backends(self, urls: list[str]) -> Config:
+        """Replace the configured backends with ``--backend URL`` values (repeatable on the CLI)."""
+        if not urls:
+            return self
+        try:
+            entries = tuple(BackendEntry(url=u) for u in urls)
+        except ValueError as exc:
+            raise ConfigError(f"--backend: {exc}") from None
+        return dataclasses.replace(self, backends=entries)
+
+
+def load_config(path: str | Path | None) -> Config:
+    """Load ``path`` (or the defaults when ``None``); errors name the file and key."""
+    if path is None:
+        return Config()
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
+    return Config.from_toml(text, source=str(p))

@@ -1,0 +1,280 @@
+"""Samples, collector status and the per-tick Snapshot (SPEC section 3.2).
+
+Collectors return :class:`Sample` objects; the agent folds one tick's samples
+into a :class:`Snapshot`. The snapshot serialises to JSON with
+``schema: "llmdiag.snapshot/v1"``::
+
+    {"schema": "llmdiag.snapshot/v1", "ts": 1733140000.0, "hostname": "gpu-node-7",
+     "host": {"psi_io_full_avg10": 0.0, ...,
+              "destinations": {"10.0.0.7:8000": {"timewait_sockets": 812, ...}}},
+     "backends": {"vllm-0": {"requests_waiting": 3, "ttft_seconds": {"p50": ...},
+                             "engines": {"0": {...}, "1": {...}}}},
+     "gpus": {"0": {"gpu_utilization": 0.93, ...}},
+     "collectors": {"engine": {"status": "ok", "reason": null, "last_ok_ts": 1733140000.0}}}
+
+``host.destinations`` holds per-destination (``ip:port``) host signals and
+``backends[name].engines`` the per data-parallel-engine signals of a backend
+(keyed by the engine's ``engine`` label); both are reserved keys, never
+signal names.
+"""
+
+from __future__ import annotations
+
+import enum
+import gzip
+import io
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from llmdiag.model.signals import SignalValue, Signals, decode_value, encode_value
+
+__all__ = [
+    "SNAPSHOT_SCHEMA",
+    "CollectorState",
+    "CollectorStatus",
+    "Sample",
+    "Scope",
+    "Snapshot",
+    "SnapshotError",
+    "read_snapshots",
+    "write_snapshots",
+]
+
+SNAPSHOT_SCHEMA = "llmdiag.snapshot/v1"
+_DESTINATIONS = "destinations"
+_ENGINES = "engines"
+
+
+class SnapshotError(ValueError):
+    """A snapshot document that does not follow ``llmdiag.snapshot/v1``."""
+
+
+class Scope(str, enum.Enum):
+    """What a sample describes."""
+
+    HOST = "host"
+    DESTINATION = "destination"  # subject: "ip:port"
+    BACKEND = "backend"  # subject: backend name
+    ENGINE = "engine"  # subject: backend name, engine: DP engine label
+    GPU = "gpu"  # subject: NVML index as a string
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One signal value from one collector.
+
+    ``subject`` names the backend, GPU index or destination (empty for the
+    host). ``engine`` is the data-parallel engine label for
+    :attr:`Scope.ENGINE` samples.
+    """
+
+    scope: Scope
+    subject: str
+    name: str
+    value: SignalValue
+    engine: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.name in (_DESTINATIONS, _ENGINES):
+            raise ValueError(f"{self.name!r} is a reserved key, not a signal name")
+        if (self.scope is Scope.ENGINE) != (self.engine is not None):
+            raise ValueError("engine label is required for, and only for, Scope.ENGINE samples")
+
+
+class CollectorState(str, enum.Enum):
+    OK = "ok"
+    DEGRADED = "degraded"
+    UNAVAILABLE = "unavailable"
+
+
+@dataclass(frozen=True, slots=True)
+class CollectorStatus:
+    """How a collector is doing: ``ok``, ``degraded`` (some signals missing,
+    with the reason) or ``unavailable`` (nothing from it, with the reason and a
+    hint)."""
+
+    status: CollectorState
+    reason: str | None = None
+    last_ok_ts: float | None = None
+    errors_total: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": self.status.value,
+            "reason": self.reason,
+            "last_ok_ts": self.last_ok_ts,
+            "errors_total": self.errors_total,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> CollectorStatus:
+        try:
+            state = CollectorState(obj["status"])
+        except (KeyError, ValueError) as exc:
+            raise SnapshotError(f"bad collector status {obj!r}") from exc
+        return cls(state, obj.get("reason"), obj.get("last_ok_ts"), int(obj.get("errors_total", 0)))
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Everything collected on one host in one tick."""
+
+    ts: float
+    hostname: str = ""
+    host: Signals = field(default_factory=dict)
+    destinations: dict[str, Signals] = field(default_factory=dict)
+    backends: dict[str, Signals] = field(default_factory=dict)
+    engines: dict[str, dict[str, Signals]] = field(default_factory=dict)
+    gpus: dict[str, Signals] = field(default_factory=dict)
+    collectors: dict[str, CollectorStatus] = field(default_factory=dict)
+
+    # -- building ---------------------------------------------------------
+    def add(self, sample: Sample) -> None:
+        """Place one sample; a later sample for the same signal replaces an earlier one."""
+        self.signals_for(sample.scope, sample.subject, sample.engine)[sample.name] = sample.value
+
+    def extend(self, samples: Iterable[Sample]) -> None:
+        for sample in samples:
+            self.add(sample)
+
+    def signals_for(self, scope: Scope, subject: str = "", engine: str | None = None) -> Signals:
+        """The (mutable) signal map for a scope and subject, created if missing."""
+        if scope is Scope.HOST:
+            return self.host
+        if scope is Scope.DESTINATION:
+            return self.destinations.setdefault(subject, {})
+        if scope is Scope.BACKEND:
+            return self.backends.setdefault(subject, {})
+        if scope is Scope.ENGINE:
+            self.backends.setdefault(subject, {})
+            return self.engines.setdefault(subject, {}).setdefault(str(engine), {})
+        if scope is Scope.GPU:
+            return self.gpus.setdefault(str(subject), {})
+        raise ValueError(f"unknown scope {scope!r}")
+
+    def samples(self) -> Iterator[Sample]:
+        """Every value as a :class:`Sample` (the inverse of :meth:`extend`)."""
+        for name, value in self.host.items():
+            yield Sample(Scope.HOST, "", name, value)
+        for dest, signals in self.destinations.items():
+            for name, value in signals.items():
+                yield Sample(Scope.DESTINATION, dest, name, value)
+        for backend, signals in self.backends.items():
+            for name, value in signals.items():
+                yield Sample(Scope.BACKEND, backend, name, value)
+        for backend, per_engine in self.engines.items():
+            for engine, signals in per_engine.items():
+                for name, value in signals.items():
+                    yield Sample(Scope.ENGINE, backend, name, value, engine=engine)
+        for index, signals in self.gpus.items():
+            for name, value in signals.items():
+                yield Sample(Scope.GPU, index, name, value)
+
+    # -- JSON -------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        host: dict[str, Any] = _encode_signals(self.host)
+        if self.destinations:
+            host[_DESTINATIONS] = {d: _encode_signals(s) for d, s in sorted(self.destinations.items())}
+        backends: dict[str, Any] = {}
+        for name in sorted(set(self.backends) | set(self.engines)):
+            entry = _encode_signals(self.backends.get(name, {}))
+            if self.engines.get(name):
+                entry[_ENGINES] = {e: _encode_signals(s) for e, s in sorted(self.engines[name].items())}
+            backends[name] = entry
+        return {
+            "schema": SNAPSHOT_SCHEMA,
+            "ts": self.ts,
+            "hostname": self.hostname,
+            "host": host,
+            "backends": backends,
+            "gpus": {i: _encode_signals(s) for i, s in sorted(self.gpus.items(), key=lambda kv: _index_order(kv[0]))},
+            "collectors": {n: st.to_json() for n, st in sorted(self.collectors.items())},
+        }
+
+    def dumps(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_json(), allow_nan=False, **kwargs)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Snapshot:
+        if not isinstance(obj, Mapping):
+            raise SnapshotError("a snapshot must be a JSON object")
+        if obj.get("schema") != SNAPSHOT_SCHEMA:
+            raise SnapshotError(f"unknown snapshot schema {obj.get('schema')!r} (want {SNAPSHOT_SCHEMA})")
+        try:
+            ts = float(obj["ts"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SnapshotError("snapshot has no numeric 'ts'") from exc
+        snap = cls(ts=ts, hostname=str(obj.get("hostname", "")))
+        host = dict(obj.get("host") or {})
+        for dest, signals in (host.pop(_DESTINATIONS, None) or {}).items():
+            snap.destinations[dest] = _decode_signals(signals, f"host.destinations[{dest}]")
+        snap.host = _decode_signals(host, "host")
+        for name, entry in (obj.get("backends") or {}).items():
+            entry = dict(entry)
+            engines = entry.pop(_ENGINES, None) or {}
+            snap.backends[name] = _decode_signals(entry, f"backends[{name}]")
+            if engines:
+                snap.engines[name] = {
+                    e: _decode_signals(s, f"backends[{name}].engines[{e}]") for e, s in engines.items()
+                }
+        for index, signals in (obj.get("gpus") or {}).items():
+            snap.gpus[str(index)] = _decode_signals(signals, f"gpus[{index}]")
+        for name, status in (obj.get("collectors") or {}).items():
+            snap.collectors[name] = CollectorStatus.from_json(status)
+        return snap
+
+    @classmethod
+    def loads(cls, text: str) -> Snapshot:
+        try:
+            return cls.from_json(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise SnapshotError(f"not JSON: {exc}") from exc
+
+
+def _index_order(key: str) -> tuple[int, str]:
+    return (int(key), key) if key.isdigit() else (1 << 30, key)
+
+
+def _encode_signals(signals: Mapping[str, SignalValue]) -> dict[str, Any]:
+    return {name: encode_value(value) for name, value in sorted(signals.items())}
+
+
+def _decode_signals(obj: Any, where: str) -> Signals:
+    if not isinstance(obj, Mapping):
+        raise SnapshotError(f"{where}: expected an object of signals")
+    try:
+        return {name: decode_value(value, f"{where}.{name}") for name, value in obj.items()}
+    except ValueError as exc:
+        raise SnapshotError(str(exc)) from exc
+
+
+def _open_text(path: Path, mode: str) -> IO[str]:
+    if path.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(path, mode + "b"), encoding="utf-8")  # type: ignore[arg-type]
+    return open(path, mode, encoding="utf-8")
+
+
+def write_snapshots(path: str | Path, snapshots: Iterable[Snapshot], append: bool = False) -> int:
+    """Write snapshots as JSON lines (gzip when the name ends in ``.gz``); returns the count."""
+    count = 0
+    with _open_text(Path(path), "a" if append else "w") as fh:
+        for snap in snapshots:
+            fh.write(snap.dumps(separators=(",", ":")))
+            fh.write("\n")
+            count += 1
+    return count
+
+
+def read_snapshots(path: str | Path) -> Iterator[Snapshot]:
+    """Read a JSONL (optionally gzip) recording; a bad line raises :class:`SnapshotError` naming it."""
+    with _open_text(Path(path), "r") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield Snapshot.loads(line)
+            except SnapshotError as exc:
+                raise SnapshotError(f"{path}:{lineno}: {exc}") from None

@@ -1,0 +1,1 @@
+"""router_feedback: health score, balancer, error classification, exporters, gateway (SPEC section 6)."""
