@@ -20,6 +20,7 @@ from llmdiag.config import ConfigError, load_config
 #: Subcommand modules, in the order ``--help`` lists them.
 COMMAND_MODULES = (
     "llmdiag.cli.doctor",
+    "llmdiag.cli.collect",
 )
 
 

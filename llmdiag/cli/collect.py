@@ -1,0 +1,146 @@
+"""``llmdiag collect``: run collectors and print or record snapshots.
+
+    llmdiag collect --once --json                      one snapshot as JSON
+    llmdiag collect --duration 30 --record run.jsonl.gz
+    llmdiag collect --collectors tcp,timewait --backend http://127.0.0.1:8000 --json
+
+Snapshots follow ``llmdiag.snapshot/v1`` (SPEC 3.2). ``--json`` prints one
+JSON document per line (JSONL); ``--record FILE`` writes the same lines to a
+file (gzip when it ends in ``.gz``) for ``llmdiag diagnose --replay``.
+Counters become rates and histograms become window quantiles only from the
+second tick on, so ``--once`` primes the collectors, waits one interval and
+prints the second snapshot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from llmdiag.collectors.base import collect_snapshot
+from llmdiag.config import Config
+from llmdiag.model import Snapshot, write_snapshots
+
+from llmdiag.cli import wiring
+
+
+def snapshot_stream(
+    config: Config,
+    names: list[str] | None,
+    *,
+    duration: float | None,
+    once: bool,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Iterator[Snapshot]:
+    """Yield snapshots at ``[agent] interval_seconds`` until ``duration`` ends (or forever)."""
+    backends = wiring.resolve_backends(config)
+    collectors, unavailable = wiring.build_collectors(config, backends, names)
+    hostname = config.agent.hostname or socket.gethostname()
+    interval = config.agent.interval_seconds
+    try:
+        start = clock()
+        if once:
+            collect_snapshot(collectors, start, hostname)  # prime counters and histograms
+            sleep(interval)
+        next_tick = clock()
+        while True:
+            now = clock()
+            snap = collect_snapshot(collectors, now, hostname)
+            snap.collectors.update(unavailable)
+            yield snap
+            if once or (duration is not None and now - start + interval > duration + 1e-9):
+                return
+            next_tick += interval
+            sleep(max(0.0, next_tick - clock()))
+    finally:
+        for c in collectors:
+            c.close()
+
+
+def _print_summary(snap: Snapshot) -> None:
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    from llmdiag.model import encode_value  # noqa: PLC0415
+
+    table = Table(title=f"snapshot {time.strftime('%H:%M:%S', time.localtime(snap.ts))} on {snap.hostname}")
+    table.add_column("scope")
+    table.add_column("subject")
+    table.add_column("signal")
+    table.add_column("value", overflow="fold")
+    for sample in snap.samples():
+        engine = f" engine {sample.engine}" if sample.engine is not None else ""
+        table.add_row(sample.scope.value, f"{sample.subject}{engine}", sample.name, json.dumps(encode_value(sample.value)))
+    for name, status in sorted(snap.collectors.items()):
+        table.add_row("collector", name, status.status.value, status.reason or "")
+    Console().print(table)
+
+
+def handle(args: argparse.Namespace, config: Config) -> int:
+    if args.interval is not None:
+        config = dataclasses.replace(config, agent=dataclasses.replace(config.agent, interval_seconds=args.interval))
+    if args.nvml_replay:
+        if not hasattr(config, "gpu"):
+            print("llmdiag: --nvml-replay needs the gpu collector, which this build does not have", file=sys.stderr)
+            return 2
+        config = dataclasses.replace(config, gpu=dataclasses.replace(config.gpu, replay_file=args.nvml_replay))  # type: ignore[attr-defined]
+    names = [n.strip() for n in args.collectors.split(",") if n.strip()] if args.collectors else None
+    # SIGTERM (kubectl delete, timeout) stops like Ctrl-C so BPF programs are detached in `finally`.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        stream = snapshot_stream(config, names, duration=args.duration, once=args.once)
+        if args.record:
+            count = write_snapshots(args.record, _echo(stream, args.json))
+            print(f"recorded {count} snapshot(s) to {args.record}", file=sys.stderr)
+            return 0
+        for snap in stream:
+            if args.json:
+                print(snap.dumps(), flush=True)
+            else:
+                _print_summary(snap)
+    except ValueError as exc:
+        print(f"llmdiag: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _echo(stream: Iterator[Snapshot], as_json: bool) -> Iterator[Snapshot]:
+    for snap in stream:
+        if as_json:
+            print(snap.dumps(), flush=True)
+        else:
+            print(f"{time.strftime('%H:%M:%S', time.localtime(snap.ts))} snapshot: "
+                  f"{len(snap.backends)} backend(s), {len(snap.gpus)} GPU(s), "
+                  f"collectors {_statuses(snap)}", file=sys.stderr, flush=True)
+        yield snap
+
+
+def _statuses(snap: Snapshot) -> str:
+    return ", ".join(f"{n}={s.status.value}" for n, s in sorted(snap.collectors.items())) or "none"
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser(
+        "collect",
+        help="run collectors and print or record snapshots (llmdiag.snapshot/v1)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    when = parser.add_mutually_exclusive_group()
+    when.add_argument("--once", action="store_true", help="print one snapshot (after one priming interval) and exit")
+    when.add_argument("--duration", type=float, metavar="S", help="collect for S seconds (default: until Ctrl-C)")
+    parser.add_argument("--collectors", metavar="A,B", help="collectors to run (default: all available)")
+    parser.add_argument("--interval", type=float, metavar="S", help="seconds between snapshots (default: [agent] interval_seconds)")
+    parser.add_argument("--nvml-replay", metavar="FILE", help="drive the gpu collector from a recorded NVML replay file")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print each snapshot as one JSON line")
+    out.add_argument("--record", metavar="FILE", help="write snapshots as JSONL (gzip if FILE ends in .gz)")
+    parser.set_defaults(handler=handle)

@@ -1,0 +1,45 @@
+"""The command line: --help lists exactly the registered commands, and each one parses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from llmdiag.cli.main import COMMAND_MODULES, build_parser, main
+
+
+def _subcommands() -> list[str]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if a.dest == "command")
+    return list(action.choices)  # type: ignore[union-attr]
+
+
+def test_every_module_registers_one_command() -> None:
+    assert len(_subcommands()) == len(COMMAND_MODULES)
+
+
+@pytest.mark.parametrize("command", _subcommands())
+def test_command_help(command: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "llmdiag.cli", command, "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert f"usage: llmdiag {command}" in proc.stdout
+
+
+def test_top_level_help_lists_commands() -> None:
+    proc = subprocess.run([sys.executable, "-m", "llmdiag.cli", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    for command in _subcommands():
+        assert command in proc.stdout
+
+
+def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "usage: llmdiag" in capsys.readouterr().out
+
+
+def test_collect_rejects_unknown_collector(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["collect", "--once", "--collectors", "no_such_collector", "--json"]) == 2
+    assert "unknown collector(s): no_such_collector" in capsys.readouterr().err

@@ -1,0 +1,62 @@
+"""Config: defaults for every key, unknown keys rejected with the key named, CLI overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmdiag.cli.main import main
+from llmdiag.config import Config, ConfigError, load_config, to_data
+
+
+def test_empty_file_is_all_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "llmdiag.toml"
+    path.write_text("")
+    assert load_config(path) == Config()
+    assert load_config(None) == Config()
+
+
+def test_round_trip_through_plain_data() -> None:
+    config = Config.from_toml(
+        '[agent]\ninterval_seconds = 2\n[[backends]]\nurl = "http://127.0.0.1:8000"\nengine = "vllm"\nmodels = ["m"]\n'
+    )
+    assert config.agent.interval_seconds == 2.0
+    assert Config.from_data(to_data(config)) == config
+    (backend,) = config.backend_list()
+    assert (backend.name, backend.engine, backend.models) == ("127.0.0.1:8000", "vllm", ("m",))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[agent]\nintervl = 1\n", "unknown config key 'agent.intervl'"),
+    ("nonsense = 1\n", "unknown config key 'nonsense'"),
+    ('[agent]\ninterval_seconds = "fast"\n', "config key 'agent.interval_seconds' must be a number"),
+    ("[agent]\ninterval_seconds = 0\n", "interval_seconds must be > 0"),
+    ("[agent]\ndiscover = 1\n", "must be true or false"),
+    ('[[backends]]\nurl = "ftp://x:1"\n', "backends[0]"),
+    ('[[backends]]\nname = "a"\n', "needs a url"),
+    ('[[backends]]\nurl = "http://h:1"\n[[backends]]\nurl = "http://h:1"\n', "duplicate backend names: h:1"),
+    ("[agent\n", "not valid TOML"),
+])
+def test_bad_config_names_the_key(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Config.from_toml(text, source="test.toml")
+    assert message in str(info.value)
+    assert str(info.value).startswith("test.toml: ")
+
+
+def test_backend_option_overrides_config() -> None:
+    config = Config.from_toml('[[backends]]\nurl = "http://h:1"\n').with_backends(
+        ["http://127.0.0.1:8000", "grpc://127.0.0.1:8001"])
+    assert [b.url for b in config.backend_list()] == ["http://127.0.0.1:8000", "grpc://127.0.0.1:8001"]
+    with pytest.raises(ConfigError, match="--backend"):
+        Config().with_backends(["127.0.0.1:8000"])
+
+
+def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[agent]\nbogus = 1\n")
+    assert main(["--config", str(path), "doctor", "--json"]) == 2
+    assert f"{path}: unknown config key 'agent.bogus'" in capsys.readouterr().err
+    assert main(["--config", str(tmp_path / "missing.toml"), "doctor"]) == 2
+    assert "cannot read config file" in capsys.readouterr().err
