@@ -1,0 +1,375 @@
+"""The engine metrics collector (SPEC 3.2 "engine", 4 "engine", Appendix A).
+
+Every tick it GETs each backend's ``/metrics`` (``Accept: text/plain;
+version=0.0.4``, 1 s deadline, size cap; backends in parallel on a small
+thread pool), parses it with ``prometheus_client.parser``, maps the
+engine's names onto llmdiag's signals (:mod:`llmdiag.collectors.engine_names`)
+and turns cumulative values into window values:
+
+* gauges (``requests_waiting``, ``kv_cache_usage``, ...) as read;
+* counters (``*_total``) as monotonic totals: the engine's own value until
+  it restarts; a counter that went down is a **reset**, counted in
+  ``counter_resets_total``, and the total continues from where it was
+  (Prometheus ``increase()`` semantics), so a rate computed from two
+  snapshots is never negative;
+* histograms as a :class:`~llmdiag.model.Distribution` over the window
+  between this scrape and the previous one: ``p50``/``p99`` interpolated in
+  the *delta* buckets (Prometheus ``histogram_quantile``), ``count`` the
+  observations in the window, ``ewma`` an exponentially weighted mean of the
+  window means (``alpha`` from ``[engine] ewma_alpha``). A window without
+  observations has ``count`` 0, NA quantiles, and keeps the previous EWMA.
+
+**First scrape:** there is no previous scrape, so there is no window: every
+distribution is all-NA (``{"p50": null, "p99": null, "ewma": null,
+"count": null}``) until the second scrape. Counters and gauges are
+available at once.
+
+Each data-parallel engine (vLLM's ``engine`` label) gets its own
+``Scope.ENGINE`` samples, and the backend gets an aggregate
+(``Scope.BACKEND``): ``max`` for saturation (``kv_cache_usage``), sums for
+queue counts and counters, merged window histograms for p50/p99 and the
+worst engine's EWMA, so one overloaded engine cannot hide behind a healthy
+average (rules in :data:`~llmdiag.collectors.engine_names.AGGREGATION`).
+
+Per backend also: ``up`` (1 when the scrape answered 200 with a body,
+else 0, with the reason in the collector status), ``scrape_age_seconds``
+(since the last good scrape; NA before the first), ``scrape_duration_seconds``.
+Failures never raise out of :meth:`EngineCollector.collect`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+from llmdiag.collectors.engine_names import AGGREGATION, Dialect, detect_dialect
+from llmdiag.collectors.engine_parse import EngineReading, ParsedScrape, parse_exposition, read_engines
+from llmdiag.collectors.histogram import CumulativeHistogram, HistogramDelta, counter_delta
+from llmdiag.collectors.http_fetch import PROMETHEUS_ACCEPT, FetchFunction, FetchResult, http_get
+from llmdiag.config.engine import EngineConfig
+from llmdiag.model import (
+    Backend,
+    CollectorState,
+    CollectorStatus,
+    Distribution,
+    Labelled,
+    Sample,
+    Scope,
+    Signals,
+)
+
+__all__ = ["BackendScrape", "EngineCollector"]
+
+log = logging.getLogger("llmdiag.collectors.engine")
+
+_NA_DISTRIBUTION = Distribution(None, None, None, None)
+
+
+@dataclass(slots=True)
+class BackendScrape:
+    """What the last scrape of one backend gave: the normalised signals and how it went."""
+
+    backend: Backend
+    up: bool
+    engine: str | None = None
+    error: str | None = None
+    problems: list[str] = field(default_factory=list)
+    models: tuple[str, ...] = ()
+    signals: Signals = field(default_factory=dict)
+    engines: dict[str, Signals] = field(default_factory=dict)
+
+
+class _EngineWindow:
+    """Previous cumulative values of one DP engine, to compute window values and spot resets."""
+
+    def __init__(self) -> None:
+        self.raw: dict[tuple[str, str], float] = {}
+        self.totals: dict[tuple[str, str], float] = {}
+        self.histograms: dict[str, CumulativeHistogram] = {}
+        self.means: dict[str, tuple[float, float]] = {}
+        self.ewma: dict[str, float] = {}
+        self.resets_total = 0
+
+    def _total(self, signal: str, label: str, raw: float) -> tuple[float, bool]:
+        key = (signal, label)
+        previous = self.raw.get(key)
+        if previous is None:
+            total, reset = raw, False
+        else:
+            increase, reset = counter_delta(previous, raw)
+            total = self.totals[key] + increase
+        self.raw[key] = raw
+        self.totals[key] = total
+        return total, reset
+
+    def _ewma(self, signal: str, mean: float | None, alpha: float) -> float | None:
+        if mean is not None and math.isfinite(mean):
+            old = self.ewma.get(signal)
+            self.ewma[signal] = mean if old is None else alpha * mean + (1 - alpha) * old
+        return self.ewma.get(signal)
+
+    def advance(self, reading: EngineReading, alpha: float) -> tuple[Signals, dict[str, HistogramDelta], int]:
+        """Signals for this scrape, the window histograms (for the backend merge), and resets seen now."""
+        signals: Signals = {}
+        resets = 0
+        signals.update(reading.gauges)
+        for signal, by_reason in reading.labelled_gauges.items():
+            signals[signal] = Labelled(by_reason)
+        for signal, raw in reading.counters.items():
+            signals[signal], reset = self._total(signal, "", raw)
+            resets += reset
+        for signal, by_reason in reading.labelled_counters.items():
+            labelled = Labelled()
+            for label, raw in by_reason.items():
+                labelled[label], reset = self._total(signal, label, raw)
+                resets += reset
+            signals[signal] = labelled
+        deltas: dict[str, HistogramDelta] = {}
+        for signal, hist in reading.histograms.items():
+            previous = self.histograms.get(signal)
+            self.histograms[signal] = hist
+            if previous is None:
+                signals[signal] = _NA_DISTRIBUTION
+                continue
+            delta, reset = hist.delta_since(previous)
+            resets += reset
+            deltas[signal] = delta
+            signals[signal] = _distribution(delta, self._ewma(signal, delta.mean(), alpha))
+        for signal, (total, count) in reading.mean_counters.items():
+            previous_mean = self.means.get(signal)
+            self.means[signal] = (total, count)
+            if previous_mean is None:
+                signals[signal] = _NA_DISTRIBUTION
+                continue
+            added, reset_total = counter_delta(previous_mean[0], total)
+            finished, reset_count = counter_delta(previous_mean[1], count)
+            resets += reset_total or reset_count
+            mean = added / finished if finished > 0 else None
+            signals[signal] = Distribution(None, None, self._ewma(signal, mean, alpha), _number(finished))
+        self.resets_total += resets
+        signals["counter_resets_total"] = self.resets_total
+        return signals, deltas, resets
+
+
+def _number(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else value
+
+
+def _distribution(delta: HistogramDelta, ewma: float | None) -> Distribution:
+    if delta.count <= 0:
+        return Distribution(None, None, ewma, 0)
+    return Distribution(delta.quantile(0.5), delta.quantile(0.99), ewma, _number(delta.count))
+
+
+class _BackendTracker:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.engines: dict[str, _EngineWindow] = {}
+        self.last_ok_clock: float | None = None
+        self.dialect: Dialect | None = None
+        self.resets_logged = 0
+
+    def update(self, parsed: ParsedScrape, fetched_at: float, alpha: float) -> BackendScrape:
+        dialect = detect_dialect(parsed.names(), self.backend.engine)
+        self.last_ok_clock = fetched_at
+        scrape = BackendScrape(self.backend, up=True, problems=list(parsed.problems))
+        if dialect is None:
+            scrape.error = "no known engine metrics (vllm:, sglang:, trtllm_, nv_trt_llm_, nv_inference_, tgi_)"
+            return scrape
+        if self.dialect is not None and dialect is not self.dialect:
+            self.engines.clear()  # another engine now answers on this port: old windows mean nothing
+        self.dialect = dialect
+        reading = read_engines(parsed, dialect)
+        scrape.engine, scrape.models = dialect.engine, reading.models
+        scrape.problems.extend(reading.problems)
+        deltas_by_engine: dict[str, dict[str, HistogramDelta]] = {}
+        resets_now = 0
+        for label in sorted(reading.engines, key=_engine_order):
+            window = self.engines.setdefault(label, _EngineWindow())
+            signals, deltas, resets = window.advance(reading.engines[label], alpha)
+            scrape.engines[label] = signals
+            deltas_by_engine[label] = deltas
+            resets_now += resets
+        if resets_now:
+            scrape.problems.append(f"{resets_now} counter reset(s): engine restarted?")
+            log.warning("backend %s: %d counter reset(s) (engine restart?)", self.backend.name, resets_now)
+        scrape.signals = _aggregate(scrape.engines, deltas_by_engine)
+        return scrape
+
+
+def _engine_order(label: str) -> tuple[int, str]:
+    return (int(label), label) if label.isdigit() else (1 << 30, label)
+
+
+def _aggregate(engines: dict[str, Signals], deltas: dict[str, dict[str, HistogramDelta]]) -> Signals:
+    """The backend's signals from its engines' (see AGGREGATION in engine_names)."""
+    out: Signals = {}
+    names = {name for signals in engines.values() for name in signals}
+    for name in sorted(names):
+        values = [signals[name] for signals in engines.values() if name in signals]
+        first = values[0]
+        if isinstance(first, Distribution):
+            out[name] = _merge_distributions(name, values, [d[name] for d in deltas.values() if name in d])
+        elif isinstance(first, dict):
+            merged = Labelled()
+            for value in values:
+                for key, number in value.items():  # type: ignore[union-attr]
+                    merged[key] = merged.get(key, 0) + number
+            out[name] = merged
+        else:
+            numbers = [float(v) for v in values if isinstance(v, (int, float))]
+            if numbers:
+                total = max(numbers) if AGGREGATION.get(name) == "max" else math.fsum(numbers)
+                out[name] = _number(total) if name.endswith("_total") else total
+    return out
+
+
+def _merge_distributions(name: str, values: list, deltas: list[HistogramDelta]) -> Distribution:
+    ewmas = [v.ewma for v in values if v.ewma is not None]
+    counts = [v.count for v in values if v.count is not None]
+    ewma = max(ewmas) if ewmas else None  # the worst engine's: saturation must not average away
+    count = _number(math.fsum(counts)) if counts else None
+    if not deltas:
+        return Distribution(None, None, ewma, count)
+    layouts = {tuple(le for le, _ in d.buckets) for d in deltas}
+    if len(layouts) == 1:
+        merged = CumulativeHistogram.build(
+            (pair for d in deltas for pair in d.buckets), sum(d.count for d in deltas), 0.0
+        )
+        delta = HistogramDelta(merged.buckets, merged.count, 0.0)
+        if delta.count > 0:
+            return Distribution(delta.quantile(0.5), delta.quantile(0.99), ewma, count)
+        return Distribution(None, None, ewma, count)
+    # Engines with different bucket layouts cannot be merged: report the worst engine's quantiles.
+    p50s = [v.p50 for v in values if v.p50 is not None]
+    p99s = [v.p99 for v in values if v.p99 is not None]
+    return Distribution(max(p50s) if p50s else None, max(p99s) if p99s else None, ewma, count)
+
+
+class EngineCollector:
+    """Scrapes every backend's engine metrics once per :meth:`collect`.
+
+    ``fetch(url, timeout, max_bytes, accept) -> FetchResult`` and ``clock``
+    (monotonic seconds) are injectable; the defaults are
+    :func:`~llmdiag.collectors.http_fetch.http_get` and ``time.monotonic``.
+    """
+
+    name = "engine"
+
+    def __init__(
+        self,
+        backends: Iterable[Backend],
+        config: EngineConfig | None = None,
+        fetch: FetchFunction | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.backends = list(backends)
+        self._fetch = fetch or http_get
+        self._clock = clock
+        self._trackers = {b.name: _BackendTracker(b) for b in self.backends}
+        self._pool: ThreadPoolExecutor | None = None
+        self.results: dict[str, BackendScrape] = {}
+        self._last_ok_ts: float | None = None
+        self._errors_total = 0
+
+    # -- the contract ----------------------------------------------------
+    def collect(self, now: float) -> list[Sample]:
+        """Scrape all backends (in parallel) and return engine and backend samples. Never raises."""
+        samples: list[Sample] = []
+        for backend, scrape in zip(self.backends, self._scrape_all(), strict=True):
+            self.results[backend.name] = scrape
+            samples.extend(self._samples(scrape))
+        if self.results and any(r.up for r in self.results.values()):
+            self._last_ok_ts = now
+        return samples
+
+    def status(self) -> CollectorStatus:
+        if not self.backends:
+            return CollectorStatus(CollectorState.UNAVAILABLE, "no backends configured or discovered", None, 0)
+        troubles = []
+        for name, scrape in self.results.items():
+            if not scrape.up:
+                troubles.append(f"{name}: down ({scrape.error})")
+            elif scrape.error:
+                troubles.append(f"{name}: {scrape.error}")
+            elif scrape.problems:
+                troubles.append(f"{name}: {scrape.problems[0]}")
+        if troubles:
+            return CollectorStatus(CollectorState.DEGRADED, "; ".join(troubles), self._last_ok_ts, self._errors_total)
+        return CollectorStatus(CollectorState.OK, None, self._last_ok_ts, self._errors_total)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    # -- work ------------------------------------------------------------
+    def _scrape_all(self) -> list[BackendScrape]:
+        if not self.backends:
+            return []
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=min(self.config.max_workers, len(self.backends)), thread_name_prefix="llmdiag-engine"
+            )
+        futures = [self._pool.submit(self._fetch_and_parse, b) for b in self.backends]
+        # The fetch has its own deadline; the extra second only bounds an injected fetch that ignores it.
+        budget = self.config.timeout_seconds + 1.0
+        out = []
+        for backend, future in zip(self.backends, futures, strict=True):
+            tracker = self._trackers[backend.name]
+            try:
+                result, parsed, fetched_at = future.result(timeout=budget)
+            except FutureTimeout:
+                out.append(self._down(tracker, f"timed out after {self.config.timeout_seconds:g} s"))
+                continue
+            except Exception as exc:  # noqa: BLE001 - an injected fetch may raise anything
+                self._errors_total += 1
+                out.append(self._down(tracker, f"{type(exc).__name__}: {exc}"))
+                continue
+            if parsed is None:
+                out.append(self._down(tracker, result.error or "no answer"))
+                continue
+            try:
+                scrape = tracker.update(parsed, fetched_at, self.config.ewma_alpha)
+            except Exception as exc:  # noqa: BLE001 - a bug or a scrape we did not foresee: degrade, do not stop
+                self._errors_total += 1
+                log.warning("backend %s: could not read the scrape: %s", backend.name, exc, exc_info=True)
+                scrape = BackendScrape(backend, up=True, error=f"could not read the scrape: {type(exc).__name__}: {exc}")
+            scrape.signals["up"] = 1
+            scrape.signals["scrape_duration_seconds"] = result.elapsed_seconds
+            scrape.signals["scrape_age_seconds"] = max(0.0, self._clock() - fetched_at)
+            out.append(scrape)
+        return out
+
+    def _fetch_and_parse(self, backend: Backend) -> tuple[FetchResult, ParsedScrape | None, float]:
+        url = backend.url.rstrip("/") + self.config.metrics_path
+        result = self._fetch(url, self.config.timeout_seconds, self.config.max_response_bytes, PROMETHEUS_ACCEPT)
+        fetched_at = self._clock()
+        if not result.ok:
+            return result, None, fetched_at
+        return result, parse_exposition(result.body), fetched_at
+
+    def _down(self, tracker: _BackendTracker, reason: str) -> BackendScrape:
+        scrape = BackendScrape(tracker.backend, up=False, error=reason, engine=tracker.dialect.engine if tracker.dialect else None)
+        age = None if tracker.last_ok_clock is None else max(0.0, self._clock() - tracker.last_ok_clock)
+        scrape.signals = {"up": 0, "scrape_age_seconds": age}
+        return scrape
+
+    @staticmethod
+    def _samples(scrape: BackendScrape) -> list[Sample]:
+        name = scrape.backend.name
+        samples = [Sample(Scope.BACKEND, name, signal, value) for signal, value in scrape.signals.items()]
+        for engine, signals in scrape.engines.items():
+            samples.extend(Sample(Scope.ENGINE, name, signal, value, engine=engine) for signal, value in signals.items())
+        return samples
+
+
+def build_engine_collector(config, backends: list[Backend]) -> EngineCollector:
+    """``COLLECTOR_FACTORIES["engine"]``: the collector for the configured (or discovered) backends."""
+    return EngineCollector(backends, config.engine)

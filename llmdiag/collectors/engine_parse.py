@@ -1,0 +1,300 @@
+"""Parse one engine scrape and read its raw engine values (no time window yet).
+
+:func:`parse_exposition` runs ``prometheus_client.parser`` over the lines
+that can matter (those of a known engine prefix: ``python_gc_*``,
+``process_*`` and ``http_*`` series are dropped first, which halves the
+parse time of a real vLLM scrape). A malformed line does not lose the
+scrape: the bad lines are found one by one, reported with their line number,
+and the rest is parsed.
+
+:func:`read_engines` applies a :class:`~llmdiag.collectors.engine_names.Dialect`
+and returns one :class:`EngineReading` per data-parallel engine: gauges,
+cumulative counters and cumulative histograms, still as the engine counts
+them. Turning those into window signals is the collector's job.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmdiag.collectors.engine_names import AGGREGATION, DIALECTS, Dialect, Kind, Rule, canonical_name
+from llmdiag.collectors.histogram import CumulativeHistogram
+from llmdiag.model import label_key
+
+__all__ = ["EngineReading", "ParsedScrape", "parse_exposition", "read_engines"]
+
+#: Engine label value for engines that expose no data-parallel label.
+DEFAULT_ENGINE = "0"
+
+_MAX_PROBLEMS = 20
+_SUFFIXES = ("", "_bucket", "_count", "_sum")
+
+
+def _wanted_names() -> frozenset[str]:
+    """Canonical names of every series some rule reads (histogram parts included)."""
+    names = set()
+    for dialect in DIALECTS:
+        for rule in dialect.rules:
+            for base in (rule.canonical, rule.canonical_other):
+                if base:
+                    names.update(base + suffix for suffix in _SUFFIXES)
+    return frozenset(names)
+
+
+#: Only these series are handed to the parser: a real vLLM scrape is half
+#: python_gc_*/process_*/http_* and unused histograms, and parsing is the cost.
+WANTED = _wanted_names()
+
+Labels = dict[str, str]
+Series = list[tuple[Labels, float]]
+
+
+@dataclass(slots=True)
+class ParsedScrape:
+    """Samples of one scrape by canonical name, and what was wrong with it."""
+
+    series: dict[str, Series] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    lines: int = 0
+
+    def names(self) -> frozenset[str]:
+        return frozenset(self.series)
+
+
+def _keep(line: str) -> bool:
+    if line.startswith("#"):
+        # Keep "# TYPE name kind" of wanted families (it groups histogram samples); drop HELP and comments.
+        if not line.startswith("# TYPE "):
+            return False
+        name = line[7:].split(" ", 1)[0]
+    else:
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+    return canonical_name(name) in WANTED
+
+
+def parse_exposition(text: str) -> ParsedScrape:
+    """Parse Prometheus text exposition (0.0.4, or OpenMetrics read as text).
+
+    Never raises: unparsable lines become ``problems`` entries such as
+    ``"line 17: ..."`` and are left out.
+    """
+    all_lines = text.split("\n")
+    kept = [(i, line) for i, line in enumerate(all_lines, 1) if _keep(line)]
+    parsed = ParsedScrape(lines=len(all_lines))
+    try:
+        _collect(parsed, "\n".join(line for _, line in kept) + "\n")
+        return parsed
+    except Exception:  # noqa: BLE001 - any parser failure: find the bad lines instead
+        parsed.series.clear()
+    good: list[str] = []
+    for lineno, line in kept:
+        try:
+            list(text_string_to_metric_families(line + "\n"))
+        except Exception as exc:  # noqa: BLE001
+            if len(parsed.problems) < _MAX_PROBLEMS:
+                parsed.problems.append(f"line {lineno}: {type(exc).__name__}: {exc} in {line[:80]!r}")
+            continue
+        good.append(line)
+    try:
+        _collect(parsed, "\n".join(good) + "\n")
+    except Exception as exc:  # noqa: BLE001 - lines fine alone but not together (e.g. a TYPE clash)
+        parsed.series.clear()
+        parsed.problems.append(f"exposition unparsable as a whole: {type(exc).__name__}: {exc}")
+    return parsed
+
+
+def _collect(parsed: ParsedScrape, text: str) -> None:
+    series: dict[str, Series] = defaultdict(list)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            series[canonical_name(sample.name)].append((sample.labels, float(sample.value)))
+    parsed.series = dict(series)
+
+
+@dataclass(slots=True)
+class EngineReading:
+    """Raw values of one data-parallel engine from one scrape."""
+
+    gauges: dict[str, float] = field(default_factory=dict)
+    labelled_gauges: dict[str, dict[str, float]] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)
+    labelled_counters: dict[str, dict[str, float]] = field(default_factory=dict)
+    histograms: dict[str, CumulativeHistogram] = field(default_factory=dict)
+    #: signal -> (cumulative total in base units, cumulative count)
+    mean_counters: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Reading:
+    engines: dict[str, EngineReading]
+    models: tuple[str, ...]
+    problems: list[str]
+
+
+def _matches(labels: Labels, match: tuple[tuple[str, str], ...]) -> bool:
+    return all(labels.get(k) == v for k, v in match)
+
+
+def _engine_of(labels: Labels, dialect: Dialect) -> str:
+    if dialect.engine_label is None:
+        return DEFAULT_ENGINE
+    return labels.get(dialect.engine_label) or DEFAULT_ENGINE
+
+
+def _clean_label(value: str) -> str:
+    # label_key() refuses ',' (the pair separator) and values come from the wire.
+    return value.replace(",", "_").replace("=", "_") or "unknown"
+
+
+def _combine(signal: str, values: list[float]) -> float:
+    return max(values) if AGGREGATION.get(signal) == "max" else math.fsum(values)
+
+
+def _finite(values: list[float]) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
+def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
+    """Apply ``dialect`` to a parsed scrape: one :class:`EngineReading` per engine label."""
+    engines: dict[str, EngineReading] = defaultdict(EngineReading)
+    problems: list[str] = []
+    done: set[tuple[str, str]] = set()  # (engine, signal) already filled by an earlier rule
+    for rule in dialect.rules:
+        try:
+            per_engine = _apply(rule, parsed, dialect, problems)
+        except (ValueError, ArithmeticError) as exc:
+            problems.append(f"{rule.metric}: {exc}")
+            continue
+        for engine, store in per_engine.items():
+            key = (engine, rule.signal)
+            # Alternative names: the first rule present wins, except labelled counters,
+            # whose rules add disjoint reasons (success + failure counters).
+            if key in done and rule.kind is not Kind.LABELLED_COUNTER:
+                continue
+            done.add(key)
+            store(engines[engine])
+    models = sorted({
+        labels[name]
+        for rows in parsed.series.values()
+        for labels, _ in rows[:64]
+        for name in ("model_name", "model")
+        if labels.get(name)
+    })
+    return Reading(dict(engines), tuple(models), problems)
+
+
+def _group(rows: Series, rule_match: tuple[tuple[str, str], ...], dialect: Dialect) -> dict[str, Series]:
+    out: dict[str, Series] = defaultdict(list)
+    for labels, value in rows:
+        if _matches(labels, rule_match):
+            out[_engine_of(labels, dialect)].append((labels, value))
+    return out
+
+
+def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[str]):  # noqa: C901 - one branch per kind
+    """``{engine: store(reading)}`` for the engines this rule has data for."""
+    name, signal, kind, scale = rule.canonical, rule.signal, rule.kind, rule.scale
+    out = {}
+
+    if kind in (Kind.GAUGE, Kind.COUNTER):
+        for engine, rows in _group(parsed.series.get(name, []), rule.match, dialect).items():
+            values = _finite([v for _, v in rows])
+            if not values:
+                continue
+            value = _combine(signal, values) * scale
+            target = "gauges" if kind is Kind.GAUGE else "counters"
+            out[engine] = lambda r, v=value, t=target: getattr(r, t).__setitem__(signal, v)
+
+    elif kind in (Kind.LABELLED_COUNTER, Kind.LABELLED_GAUGE):
+        for engine, rows in _group(parsed.series.get(name, []), rule.match, dialect).items():
+            labelled: dict[str, float] = defaultdict(float)
+            for labels, value in rows:
+                if not math.isfinite(value):
+                    continue
+                reason = rule.fixed_reason or labels.get(rule.source_label or "", "") or "unknown"
+                labelled[label_key(reason=_clean_label(reason.lower()))] += value * scale
+            if not labelled:
+                continue
+            target = "labelled_gauges" if kind is Kind.LABELLED_GAUGE else "labelled_counters"
+
+            def store(r, d=dict(labelled), t=target):
+                mine = getattr(r, t).setdefault(signal, {})
+                for k, v in d.items():
+                    mine[k] = mine.get(k, 0.0) + v
+
+            out[engine] = store
+
+    elif kind is Kind.HISTOGRAM:
+        buckets = _group(parsed.series.get(name + "_bucket", []), rule.match, dialect)
+        counts = _group(parsed.series.get(name + "_count", []), rule.match, dialect)
+        sums = _group(parsed.series.get(name + "_sum", []), rule.match, dialect)
+        for engine, rows in buckets.items():
+            pairs = []
+            for labels, value in rows:
+                try:
+                    le = float(labels["le"])
+                except (KeyError, ValueError):
+                    problems.append(f"{rule.metric}_bucket without a numeric 'le' label")
+                    continue
+                if math.isnan(le):
+                    continue
+                pairs.append((le * scale if math.isfinite(le) else le, value))
+            if not pairs:
+                continue
+            count = _finite([v for _, v in counts.get(engine, [])])
+            total = _finite([v for _, v in sums.get(engine, [])])
+            hist = CumulativeHistogram.build(
+                pairs, math.fsum(count) if count else None, math.fsum(total) * scale if total else None
+            )
+            out[engine] = lambda r, h=hist: r.histograms.__setitem__(signal, h)
+
+    elif kind is Kind.HISTOGRAM_SUM_COUNTER:
+        for engine, rows in _group(parsed.series.get(name + "_sum", []), rule.match, dialect).items():
+            values = _finite([v for _, v in rows])
+            if values:
+                out[engine] = lambda r, v=math.fsum(values) * scale: r.counters.__setitem__(signal, v)
+
+    elif kind is Kind.MEAN_COUNTERS:
+        totals = _group(parsed.series.get(name, []), rule.match, dialect)
+        counts = _group(parsed.series.get(rule.canonical_other or "", []), rule.other_match, dialect)
+        for engine, rows in totals.items():
+            total = _finite([v for _, v in rows])
+            count = _finite([v for _, v in counts.get(engine, [])])
+            if total and count:
+                pair = (math.fsum(total) * scale, math.fsum(count))
+                out[engine] = lambda r, p=pair: r.mean_counters.__setitem__(signal, p)
+
+    elif kind in (Kind.RATIO, Kind.PRODUCT):
+        first = _group(parsed.series.get(name, []), rule.match, dialect)
+        second = _group(parsed.series.get(rule.canonical_other or "", []), rule.other_match, dialect)
+        for engine, rows in first.items():
+            a = _finite([v for _, v in rows])
+            b = _finite([v for _, v in second.get(engine, [])])
+            if not a or not b:
+                continue
+            if kind is Kind.RATIO:
+                denominator = math.fsum(b)
+                if denominator <= 0:
+                    continue
+                value = math.fsum(a) / denominator
+            else:
+                value = math.fsum(a) * max(b)
+            out[engine] = lambda r, v=value * scale: r.gauges.__setitem__(signal, v)
+
+    elif kind is Kind.INFO_PRODUCT:
+        assert rule.labels is not None
+        first_label, second_label = rule.labels
+        for engine, rows in _group(parsed.series.get(name, []), rule.match, dialect).items():
+            products = []
+            for labels, _ in rows:
+                try:
+                    products.append(float(int(labels[first_label]) * int(labels[second_label])))
+                except (KeyError, ValueError):
+                    problems.append(f"{rule.metric}: labels {first_label}/{second_label} missing or not integers")
+            if products:
+                out[engine] = lambda r, v=math.fsum(products): r.gauges.__setitem__(signal, v)
+    return out

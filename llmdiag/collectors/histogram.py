@@ -1,0 +1,143 @@
+"""Cumulative Prometheus histograms, their deltas between scrapes, and quantiles.
+
+Engines export latency histograms as *cumulative* bucket counters since the
+engine started. A quantile over those says "since start", which hides a TTFT
+that climbed a minute ago under hours of good history. The engine collector
+therefore keeps the previous scrape's buckets and works on the **delta**
+(what was observed between two scrapes), as Prometheus does with
+``histogram_quantile(q, rate(x_bucket[w]))``.
+
+Counter resets: when an engine restarts, its counters start again from zero.
+A bucket, ``_count`` or ``_sum`` that went down is a reset; as in Prometheus'
+``increase()``, the delta after a reset is the new cumulative value (all of
+it was observed since the restart), never a negative number.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["CumulativeHistogram", "HistogramDelta", "counter_delta", "histogram_quantile"]
+
+
+def counter_delta(previous: float, current: float) -> tuple[float, bool]:
+    """``(increase, reset)`` between two readings of one counter.
+
+    ``current < previous`` means the counter restarted from zero, so the
+    increase is ``current`` itself (never negative) and ``reset`` is true.
+    """
+    if current < previous:
+        return max(current, 0.0), True
+    return current - previous, False
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramDelta:
+    """Observations between two scrapes: bucket upper bounds with cumulative counts, plus count and sum."""
+
+    buckets: tuple[tuple[float, float], ...]
+    count: float
+    sum: float
+
+    def mean(self) -> float | None:
+        if self.count > 0 and math.isfinite(self.sum):
+            return self.sum / self.count
+        return None
+
+    def quantile(self, q: float) -> float | None:
+        return histogram_quantile(q, self.buckets)
+
+
+@dataclass(frozen=True, slots=True)
+class CumulativeHistogram:
+    """One histogram as scraped: ``buckets`` maps each upper bound ``le`` to its cumulative count."""
+
+    buckets: tuple[tuple[float, float], ...]
+    count: float
+    sum: float
+
+    @classmethod
+    def build(cls, bucket_pairs: Iterable[tuple[float, float]], count: float | None, total: float | None) -> CumulativeHistogram:
+        """From ``(le, cumulative count)`` pairs (any order, duplicates summed)."""
+        merged: dict[float, float] = {}
+        for le, value in bucket_pairs:
+            merged[le] = merged.get(le, 0.0) + value
+        buckets = tuple(sorted(merged.items()))
+        if count is None:
+            # No _count line: the +Inf bucket holds the same number.
+            count = merged.get(math.inf, 0.0)
+        return cls(buckets, float(count), float(total if total is not None else math.nan))
+
+    def merged_with(self, other: CumulativeHistogram) -> CumulativeHistogram:
+        """Sum of two histograms (series of one engine, or engines of one backend)."""
+        return CumulativeHistogram.build(self.buckets + other.buckets, self.count + other.count, _nan_sum(self.sum, other.sum))
+
+    def delta_since(self, previous: CumulativeHistogram) -> tuple[HistogramDelta, bool]:
+        """Observations since ``previous``, and whether a counter reset was seen.
+
+        A reset (count, sum or any bucket went down, or the bucket layout
+        changed) makes the whole current histogram the delta.
+        """
+        prev = dict(previous.buckets)
+        reset = self.count < previous.count or set(prev) != {le for le, _ in self.buckets}
+        if not reset:
+            reset = any(value < prev[le] for le, value in self.buckets)
+        if not reset and math.isfinite(self.sum) and math.isfinite(previous.sum) and self.sum < previous.sum:
+            # Sums can legitimately fall only with negative observations, which latency never has.
+            reset = True
+        if reset:
+            return HistogramDelta(self.buckets, self.count, self.sum), True
+        buckets = tuple((le, value - prev[le]) for le, value in self.buckets)
+        return HistogramDelta(buckets, self.count - previous.count, self.sum - previous.sum), False
+
+
+def _nan_sum(a: float, b: float) -> float:
+    if math.isnan(a):
+        return b
+    if math.isnan(b):
+        return a
+    return a + b
+
+
+def histogram_quantile(q: float, buckets: tuple[tuple[float, float], ...] | list[tuple[float, float]]) -> float | None:
+    """The ``q`` quantile of a cumulative bucket list, as Prometheus' ``histogram_quantile``.
+
+    ``buckets`` is ``(upper bound, cumulative count)`` sorted by bound and
+    must end with ``+Inf``. The quantile is interpolated linearly inside the
+    bucket that holds the rank (the lowest bucket's lower bound is 0 when
+    its upper bound is positive); a rank in the ``+Inf`` bucket returns the
+    highest finite bound. ``None`` (NA) when there are no observations,
+    fewer than two buckets or no ``+Inf`` bucket. Counts that are not
+    monotonic (a torn scrape) are made monotonic first, as Prometheus does.
+    """
+    if not 0.0 <= q <= 1.0 or len(buckets) < 2 or buckets[-1][0] != math.inf:
+        return None
+    bounds: list[float] = []
+    counts: list[float] = []
+    running = 0.0
+    for le, value in buckets:
+        if not math.isfinite(value) or math.isnan(le):
+            return None
+        running = max(running, value)
+        bounds.append(le)
+        counts.append(running)
+    total = counts[-1]
+    if total <= 0:
+        return None
+    rank = q * total
+    index = next(i for i, c in enumerate(counts) if c >= rank)
+    if index == len(bounds) - 1:
+        return bounds[-2]
+    upper = bounds[index]
+    if index == 0:
+        if upper <= 0:
+            return upper
+        lower, below = 0.0, 0.0
+    else:
+        lower, below = bounds[index - 1], counts[index - 1]
+    in_bucket = counts[index] - below
+    if in_bucket <= 0:
+        return upper
+    return lower + (upper - lower) * (rank - below) / in_bucket
