@@ -1,0 +1,162 @@
+"""The /proc collector on recorded trees, malformed trees, vanishing processes and the live /proc."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmdiag.cli.wiring import COLLECTOR_FACTORIES
+from llmdiag.collectors.procfs import Malformed, ProcCollector, parse_psi, parse_sockstat, parse_task_state
+from llmdiag.config import Config
+from llmdiag.model import Backend, CollectorState, Sample, Scope, Snapshot
+
+PROC = Path(__file__).resolve().parents[1] / "fixtures" / "proc"
+RECORDED = PROC / "host618"
+MALFORMED = PROC / "malformed"
+
+
+def snapshot(samples: list[Sample]) -> Snapshot:
+    snap = Snapshot(ts=0)
+    snap.extend(samples)
+    return snap
+
+
+def backend(name: str, pid: int | None) -> Backend:
+    return Backend(name, "http://127.0.0.1:8000", pid=pid)
+
+
+def test_parse_task_state_reads_after_the_last_paren() -> None:
+    assert parse_task_state(b"4110 (a) D (b) S 1 4100") == "S"
+    assert parse_task_state(b"4112 (x) R (y) D 1 4100") == "D"
+    assert parse_task_state(b"1 (systemd) S 0 1") == "S"
+    with pytest.raises(Malformed):
+        parse_task_state(b"4200 (trunc")
+    with pytest.raises(Malformed):
+        parse_task_state(b"")
+
+
+def test_parse_psi_and_sockstat(shared_dir: Path) -> None:
+    psi = parse_psi(b"some avg10=1.54 avg60=0.53 avg300=0.47 total=4427920\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    assert psi == {"some": pytest.approx(0.0154), "full": 0.0}
+    tcp = parse_sockstat((shared_dir / "fixtures/host/host_proc_net_sockstat_kernel6.18.txt").read_bytes())
+    assert tcp["inuse"] == 1 and tcp["tw"] == 1948
+    tcp = parse_sockstat((shared_dir / "fixtures/host/node_exporter_fixture_proc_net_sockstat.txt").read_bytes())
+    assert tcp == {"inuse": 4, "orphan": 0, "tw": 4, "alloc": 17, "mem": 1}
+    with pytest.raises(Malformed):
+        parse_sockstat(b"sockets: used 1\n")
+
+
+def test_recorded_tree_host_and_process_signals() -> None:
+    c = ProcCollector([backend("vllm-0", 4100), backend("no-pid", None)], proc_root=RECORDED, clock_ticks=100)
+    snap = snapshot(c.collect(1.0))
+    assert snap.host == {
+        "psi_cpu_some_avg10": pytest.approx(0.0154),
+        "psi_io_some_avg10": pytest.approx(0.125),
+        "psi_io_full_avg10": pytest.approx(0.0825),
+        "psi_memory_full_avg10": 0.0,
+        "conntrack_entries": 1874,
+        "conntrack_max": 262144,
+        "sockstat_tcp_inuse": 1,
+        "sockstat_tcp_tw": 1948,
+    }
+    p = snap.backends["vllm-0"]
+    assert p["io_read_bytes_total"] == 0 and p["io_rchar_total"] == 6976 and p["io_write_bytes_total"] == 4096
+    assert p["major_faults_total"] == 12
+    assert p["cpu_seconds_total"] == pytest.approx((43210 + 1234) / 100)
+    assert p["rss_bytes"] == 1776 * 1024
+    assert p["mapped_file_bytes"] == (1752 - 108) * 1024  # smaps_rollup Rss - Anonymous
+    assert p["swap_bytes"] == 0
+    assert p["open_fds"] == 4
+    # threads 4111 and 4112 are in D; 4110 and 4112 have ") X (" in their comm to trap naive parsers
+    assert p["threads_dstate"] == 2
+    assert "no-pid" not in snap.backends
+    assert c.status().status is CollectorState.OK
+
+
+def test_no_backends_gives_host_signals_only() -> None:
+    c = COLLECTOR_FACTORIES["proc"](Config.from_toml(f'[proc]\nproc_root = "{RECORDED}"\n'), [])
+    samples = c.collect(1.0)
+    assert samples and all(s.scope is Scope.HOST for s in samples)
+
+
+def test_malformed_tree_gives_fallbacks_warnings_and_degraded(caplog: pytest.LogCaptureFixture) -> None:
+    c = ProcCollector([backend("broken", 4200), backend("kthread", 4300)], proc_root=MALFORMED, clock_ticks=100)
+    with caplog.at_level(logging.WARNING, logger="llmdiag.collectors.procfs"):
+        snap = snapshot(c.collect(1.0))
+    # pressure/cpu missing, io avg10 garbage, memory without avg10, sockstat without TCP, count not a number
+    assert snap.host == {"conntrack_max": 65536}
+    broken = snap.backends["broken"]
+    assert broken["io_rchar_total"] == 12 and broken["io_write_bytes_total"] == 0
+    assert "io_read_bytes_total" not in broken  # "many" is not a number: absent, not zero
+    assert "cpu_seconds_total" not in broken and "mapped_file_bytes" not in broken and "rss_bytes" not in broken
+    assert broken["threads_dstate"] == 1  # the empty task stat is skipped, 4201 is in D
+    kthread = snap.backends["kthread"]
+    assert kthread["cpu_seconds_total"] == pytest.approx(0.05) and "rss_bytes" not in kthread
+    assert "mapped_file_bytes" not in kthread  # empty smaps_rollup
+    st = c.status()
+    assert st.status is CollectorState.DEGRADED
+    for name in ("pressure/io", "pressure/memory", "net/sockstat", "nf_conntrack_count", "4200/stat", "4200/io", "4200/smaps_rollup"):
+        assert name in st.reason, name
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "pressure/io" in warned and "4200/smaps_rollup" in warned
+    # warnings are once per file, not once per tick
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="llmdiag.collectors.procfs"):
+        c.collect(2.0)
+    assert not caplog.records
+
+
+def test_vanished_process_is_gone_not_an_error(tmp_path: Path) -> None:
+    root = tmp_path / "proc"
+    shutil.copytree(RECORDED, root)
+    c = ProcCollector([backend("vllm-0", 4100), backend("never", 5555)], proc_root=root)
+    snap = snapshot(c.collect(1.0))
+    assert "vllm-0" in snap.backends and c.gone == {"never": 5555}
+    shutil.rmtree(root / "4100")
+    snap = snapshot(c.collect(2.0))
+    assert "vllm-0" not in snap.backends and c.gone == {"vllm-0": 4100, "never": 5555}
+    assert c.status().status is CollectorState.OK
+
+
+def test_live_proc_of_this_test_process() -> None:
+    # A thread blocked in read() on a pipe is in S, not D; the process has real IO and fds.
+    c = ProcCollector([backend("me", os.getpid())])
+    snap = snapshot(c.collect(1.0))
+    me = snap.backends["me"]
+    assert me["rss_bytes"] > 1 << 20
+    assert me["cpu_seconds_total"] > 0
+    assert me["open_fds"] >= 3
+    assert me["io_rchar_total"] > 0
+    assert me["threads_dstate"] >= 0 and me["mapped_file_bytes"] > 0
+    fds_before = me["open_fds"]
+    r, w = os.pipe()
+    try:
+        assert snapshot(c.collect(2.0)).backends["me"]["open_fds"] == fds_before + 2
+    finally:
+        os.close(r)
+        os.close(w)
+    if Path("/proc/pressure/io").exists():
+        assert 0.0 <= snap.host["psi_io_some_avg10"] <= 1.0
+    assert "sockstat_tcp_tw" in snap.host
+
+
+def test_live_child_that_exits_is_gone() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: the pid no longer exists
+    c = ProcCollector([backend("child", child.pid)])
+    assert snapshot(c.collect(1.0)).backends == {}
+    assert c.gone == {"child": child.pid}
+
+
+def test_thread_cap_reads_the_lowest_tids() -> None:
+    # tids 4100, 4110, 4111 (D) are read; 4112 (D) and 4113 are beyond the cap of 3.
+    c = ProcCollector([backend("vllm-0", 4100)], proc_root=RECORDED, max_threads_per_process=3)
+    assert snapshot(c.collect(1.0)).backends["vllm-0"]["threads_dstate"] == 1
+    c = ProcCollector([backend("vllm-0", 4100)], proc_root=RECORDED, dstate_threads=False)
+    assert "threads_dstate" not in snapshot(c.collect(1.0)).backends["vllm-0"]
