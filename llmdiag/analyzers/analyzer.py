@@ -1,0 +1,257 @@
+"""The analyzer: snapshots in, diagnoses with evidence and per-backend penalties out.
+
+API (what the agent, ``llmdiag diagnose`` and the TUI use)::
+
+    analyzer = Analyzer(config, backends=None)   # Config or DiagnosisConfig; Backend list for GPU mapping
+    result = analyzer.observe(snapshot)          # -> AnalysisResult, once per tick
+    result.open        # diagnoses open after this tick (tuple[Diagnosis])
+    result.opened      # opened this tick
+    result.closed      # closed this tick (their last state)
+    result.backends    # name -> BackendHealth(penalty, state, reasons)
+    analyzer.open_diagnoses()
+    analyzer.detected_total, analyzer.enforced_total   # kind -> openings counted
+
+Time is the snapshot's ``ts``, never the wall clock, so a replayed recording
+gives exactly the diagnoses the live run gave over the same snapshots. A
+snapshot older than the previous one is ignored.
+
+Each tick: every numeric signal goes into the rolling windows; each enabled
+rule yields a verdict per subject; a per-(kind, subject, key) state machine
+applies hysteresis:
+
+* closed -> open when ``enter`` has held continuously ``for_seconds``
+  (``since`` is when it started holding);
+* open -> closed when ``stay`` fails and the diagnosis has been open
+  ``hold_seconds``;
+* a tick without data for the subject (verdict ``None``: scrape gap, engine
+  down) changes nothing, except that an open diagnosis whose rule has had no
+  data for ``stale_seconds`` closes.
+
+Baselines are updated after the rules ran, and not for a subject with an
+open or pending diagnosis (so overload never becomes the baseline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from llmdiag.analyzers.baseline import Baselines
+from llmdiag.analyzers.context import Context
+from llmdiag.analyzers.penalties import BackendHealth, backend_health
+from llmdiag.analyzers.rules import RULES, Finding, Rule
+from llmdiag.analyzers.windows import WindowStore, is_counter
+from llmdiag.config import Config
+from llmdiag.config.analyzers import DiagnosisConfig
+from llmdiag.model import Backend, Diagnosis, Distribution, Labelled, Signals, Snapshot
+
+__all__ = ["AnalysisResult", "Analyzer"]
+
+_DIST_FIELDS = ("p50", "p99", "ewma")
+
+
+@dataclass(frozen=True, slots=True)
+class AnalysisResult:
+    ts: float
+    open: tuple[Diagnosis, ...]
+    opened: tuple[Diagnosis, ...]
+    closed: tuple[Diagnosis, ...]
+    backends: dict[str, BackendHealth]
+
+    def worst_severity(self) -> str | None:
+        ranks = [d.severity for d in self.open]
+        return max(ranks, key=lambda s: s.rank).value if ranks else None
+
+
+@dataclass(slots=True)
+class _Track:
+    pending_since: float | None = None
+    opened_at: float | None = None
+    last_data_ts: float = 0.0
+    diagnosis: Diagnosis | None = None
+
+
+@dataclass(slots=True)
+class _Counts:
+    detected: dict[str, int] = field(default_factory=dict)
+    enforced: dict[str, int] = field(default_factory=dict)
+
+
+class Analyzer:
+    def __init__(self, config: Config | DiagnosisConfig | None = None, backends: Iterable[Backend] | None = None) -> None:
+        if isinstance(config, Config):
+            diag = config.diagnosis
+            if backends is None:
+                backends = config.backend_list()
+        else:
+            diag = config or DiagnosisConfig()
+        self.config: DiagnosisConfig = diag
+        known = list(backends or ())
+        self._gpus_by_backend = {b.name: tuple(str(g) for g in b.gpus) for b in known}
+        self._backend_by_address = {b.address: b.name for b in known}
+        self.rules: list[Rule] = [cls(diag.rule(kind)) for kind, cls in RULES.items() if diag.rule(kind).enabled]
+        self.enforced = {kind: diag.rule(kind).enforce for kind in RULES}
+        self.windows = WindowStore(diag.window_seconds)
+        self.baselines = Baselines(diag.baseline_seconds, diag.baseline_warmup_seconds)
+        self._tracks: dict[tuple[str, str, str], _Track] = {}
+        self._counts = _Counts()
+        self._last_ts: float | None = None
+        self._last_prune = float("-inf")
+        self._last: AnalysisResult | None = None
+
+    # -- public ------------------------------------------------------------
+    @property
+    def detected_total(self) -> dict[str, int]:
+        return dict(self._counts.detected)
+
+    @property
+    def enforced_total(self) -> dict[str, int]:
+        return dict(self._counts.enforced)
+
+    def open_diagnoses(self) -> list[Diagnosis]:
+        return [t.diagnosis for _, t in sorted(self._tracks.items()) if t.opened_at is not None and t.diagnosis]
+
+    def observe(self, snapshot: Snapshot) -> AnalysisResult:
+        now = snapshot.ts
+        if self._last_ts is not None and now <= self._last_ts and self._last is not None:
+            return self._last
+        self._last_ts = now
+        self._record(snapshot)
+        self.windows.advance(now)
+        ctx = Context(snapshot, self.windows, self.baselines, self.config, self._gpus_by_backend, self._backend_by_address)
+        frozen = {subject for (_, subject, _), t in self._tracks.items() if t.opened_at is not None or t.pending_since is not None}
+        opened: list[Diagnosis] = []
+        closed: list[Diagnosis] = []
+        seen: set[tuple[str, str, str]] = set()
+        for rule in self.rules:
+            cfg = rule.config
+            for subject, key, finding in rule.evaluate(ctx):
+                ident = (rule.kind, subject, key)
+                if ident in seen:
+                    continue
+                seen.add(ident)
+                track = self._tracks.get(ident)
+                if track is None:
+                    if finding is None or not finding.enter:
+                        continue  # nothing to remember
+                    track = self._tracks[ident] = _Track()
+                self._step(rule, cfg.for_seconds, cfg.hold_seconds, ident, track, finding, now, opened, closed)
+        for ident, track in list(self._tracks.items()):
+            if ident not in seen:
+                self._step(None, 0.0, 0.0, ident, track, None, now, opened, closed)
+        # Also freeze subjects whose diagnosis became pending this tick: the first overloaded tick stays out too.
+        frozen.update(subject for (_, subject, _) in self._tracks)
+        for subject, key, value in ctx.baseline_updates:
+            if subject not in frozen:
+                self.baselines.update(key, now, value)
+        if now - self._last_prune >= self.config.window_seconds:
+            # Bounded memory in a long-running agent: baselines of backends gone for a whole window.
+            self._last_prune = now
+            self.baselines.prune(now - self.config.window_seconds)
+        open_now = self.open_diagnoses()
+        health = backend_health(snapshot.backends, open_now, self.enforced, self.config.degraded_penalty)
+        self._last = AnalysisResult(now, tuple(open_now), tuple(opened), tuple(closed), health)
+        return self._last
+
+    # -- internals -----------------------------------------------------------
+    def _step(
+        self,
+        rule: Rule | None,
+        for_seconds: float,
+        hold_seconds: float,
+        ident: tuple[str, str, str],
+        track: _Track,
+        finding: Finding | None,
+        now: float,
+        opened: list[Diagnosis],
+        closed: list[Diagnosis],
+    ) -> None:
+        kind, subject, _ = ident
+        if finding is None:
+            # No data: freeze, unless the source has been gone for too long.
+            if track.opened_at is not None and now - track.last_data_ts >= self.config.stale_seconds:
+                closed.append(track.diagnosis)  # type: ignore[arg-type]
+                del self._tracks[ident]
+            elif track.opened_at is None and now - track.last_data_ts >= self.config.stale_seconds:
+                del self._tracks[ident]
+            return
+        track.last_data_ts = now
+        if track.opened_at is None:
+            if not finding.enter:
+                del self._tracks[ident]
+                return
+            if track.pending_since is None:
+                track.pending_since = now
+            if now - track.pending_since >= for_seconds:
+                track.opened_at = now
+                track.diagnosis = self._diagnosis(rule, subject, track.pending_since, finding)
+                opened.append(track.diagnosis)
+                self._counts.detected[kind] = self._counts.detected.get(kind, 0) + 1
+                if self.enforced.get(kind, True):
+                    self._counts.enforced[kind] = self._counts.enforced.get(kind, 0) + 1
+            return
+        if finding.stay:
+            track.diagnosis = self._diagnosis(rule, subject, track.diagnosis.since, finding)  # type: ignore[union-attr]
+        elif now - track.opened_at >= hold_seconds:
+            closed.append(track.diagnosis)  # type: ignore[arg-type]
+            del self._tracks[ident]
+
+    @staticmethod
+    def _diagnosis(rule: Rule | None, subject: str, since: float, finding: Finding) -> Diagnosis:
+        assert rule is not None
+        return Diagnosis(
+            kind=rule.kind,
+            backend=subject,
+            severity=finding.severity,
+            confidence=finding.confidence,
+            since=since,
+            summary=finding.summary,
+            evidence=finding.evidence,
+            remediation=rule.remediation,
+            penalty=finding.penalty,
+        )
+
+    def _record(self, snap: Snapshot) -> None:
+        ts = snap.ts
+        self._record_signals("h", "", snap.host, ts)
+        for dest, signals in snap.destinations.items():
+            self._record_signals("d", dest, signals, ts)
+        for name, signals in snap.backends.items():
+            self._record_signals("b", name, signals, ts)
+        for name, engines in snap.engines.items():
+            for label, signals in engines.items():
+                self._record_signals("e", f"{name}/{label}", signals, ts)
+        for index, signals in snap.gpus.items():
+            self._record_signals("g", index, signals, ts)
+
+    def _record_signals(self, scope: str, subject: str, signals: Signals, ts: float) -> None:
+        windows = self.windows
+        prefix = f"{scope}/{subject}/"
+        for name, value in signals.items():
+            if value is None or isinstance(value, bool):
+                continue
+            if isinstance(value, (int, float)):
+                if value == value:  # NaN/NA is "unknown": no point
+                    windows.append(prefix + name, ts, float(value))
+            elif isinstance(value, Distribution):
+                for f in _DIST_FIELDS:
+                    v = getattr(value, f)
+                    if v is not None and v == v:
+                        windows.append(f"{prefix}{name}.{f}", ts, float(v))
+            elif isinstance(value, Labelled):
+                total_key = prefix + name
+                total_series = windows.series(total_key)
+                prev_ts = total_series.last_ts if total_series is not None else None
+                counter = is_counter(name)
+                total = 0.0
+                for label, v in value.items():
+                    if v is None or v != v:
+                        continue
+                    key = f"{prefix}{name}{{{label}}}"
+                    if counter and prev_ts is not None and windows.series(key) is None:
+                        # A label that appears mid-run (the first XID 79, the first CANCEL) counted from 0.
+                        windows.append(key, prev_ts, 0.0)
+                    windows.append(key, ts, float(v))
+                    total += float(v)
+                windows.append(total_key, ts, total)
+

@@ -1,0 +1,167 @@
+"""What a rule sees in one tick: the snapshot, the windows, the baselines, and helpers.
+
+Rules read *current* values from the snapshot (absent = ``None``, never a
+made-up zero) and *history* (rates, increases, "value 10 s ago") from the
+rolling windows, whose series keys are built by :func:`series_key`:
+``b/<backend>/<signal>``, ``e/<backend>/<engine>/<signal>``, ``g/<gpu>/<signal>``,
+``d/<ip:port>/<signal>``, ``h//<signal>``. A distribution is recorded as
+``<signal>.p50|.p99|.ewma``, a labelled signal as ``<signal>{<labels>}`` per
+label string plus ``<signal>`` for the sum.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from llmdiag.analyzers.baseline import Baselines
+from llmdiag.analyzers.windows import WindowStore, series_key
+from llmdiag.config.analyzers import DiagnosisConfig
+from llmdiag.model import HOST, Distribution, Labelled, Snapshot, parse_label_key
+
+__all__ = ["Context", "number"]
+
+
+def number(value: Any) -> float | None:
+    """A plain finite number, else ``None`` (NA, absent, labelled, distribution)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+class Context:
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        windows: WindowStore,
+        baselines: Baselines,
+        config: DiagnosisConfig,
+        gpus_by_backend: Mapping[str, tuple[str, ...]],
+        backend_by_address: Mapping[str, str],
+    ) -> None:
+        self.snapshot = snapshot
+        self.now = snapshot.ts
+        self.windows = windows
+        self.baselines = baselines
+        self.config = config
+        self._gpus_by_backend = gpus_by_backend
+        self._backend_by_address = backend_by_address
+        self._baseline_cache: dict[str, float | None] = {}
+        self._owners: dict[str, str] | None = None
+        #: (subject, key, value) updates applied after the tick unless the subject is frozen.
+        self.baseline_updates: list[tuple[str, str, float]] = []
+
+    # -- subjects ----------------------------------------------------------
+    @property
+    def backends(self) -> list[str]:
+        return sorted(self.snapshot.backends)
+
+    def gpus_for(self, backend: str) -> tuple[str, ...]:
+        """The GPU indices serving ``backend``: from the configured/discovered backends, or
+        every GPU when the snapshot has exactly one backend; else none known."""
+        known = self._gpus_by_backend.get(backend)
+        if known:
+            return tuple(g for g in known if g in self.snapshot.gpus)
+        if len(self.snapshot.backends) == 1:
+            return tuple(sorted(self.snapshot.gpus))
+        return ()
+
+    def owner_of_gpu(self, gpu: str) -> str:
+        """The backend a GPU serves, or ``host`` when no single backend can be named."""
+        if self._owners is None:
+            # Built once per tick: GPU -> backends claiming it (O(backends), not O(backends x GPUs)).
+            claims: dict[str, list[str]] = {}
+            for b in self.backends:
+                for g in self.gpus_for(b):
+                    claims.setdefault(g, []).append(b)
+            self._owners = {g: bs[0] for g, bs in claims.items() if len(bs) == 1}
+        return self._owners.get(gpu, HOST)
+
+    def backend_at(self, destination: str) -> str | None:
+        return self._backend_by_address.get(destination)
+
+    # -- current values ----------------------------------------------------
+    def backend(self, backend: str, signal: str) -> float | None:
+        return number(self.snapshot.backends.get(backend, {}).get(signal))
+
+    def engines(self, backend: str, signal: str) -> Iterator[tuple[str, float]]:
+        for label, signals in sorted(self.snapshot.engines.get(backend, {}).items()):
+            v = number(signals.get(signal))
+            if v is not None:
+                yield label, v
+
+    def worst(self, backend: str, signal: str) -> tuple[str, float] | None:
+        """The highest value of a saturation signal over the backend and each DP engine,
+        with its evidence name: one overloaded engine must not hide behind a healthy average."""
+        best: tuple[str, float] | None = None
+        v = self.backend(backend, signal)
+        if v is not None:
+            best = (signal, v)
+        for label, ev in self.engines(backend, signal):
+            if best is None or ev > best[1]:
+                best = (f"engines[{label}].{signal}", ev)
+        return best
+
+    def dist(self, backend: str, signal: str, field: str = "ewma") -> float | None:
+        value = self.snapshot.backends.get(backend, {}).get(signal)
+        if isinstance(value, Distribution):
+            return number(getattr(value, field))
+        return number(value)
+
+    def labelled(self, signals: Mapping[str, Any], signal: str) -> dict[str, dict[str, str]]:
+        """Label strings of a labelled signal -> parsed labels."""
+        value = signals.get(signal)
+        if not isinstance(value, Labelled):
+            return {}
+        out = {}
+        for key in value:
+            try:
+                out[key] = parse_label_key(key)
+            except ValueError:
+                continue
+        return out
+
+    def gpu(self, gpu: str, signal: str) -> float | None:
+        return number(self.snapshot.gpus.get(gpu, {}).get(signal))
+
+    def host(self, signal: str) -> float | None:
+        return number(self.snapshot.host.get(signal))
+
+    def up(self, backend: str) -> bool | None:
+        """``True`` when the engine answered its last scrape, ``False`` when not, ``None`` unknown."""
+        v = self.backend(backend, "up")
+        return None if v is None else v >= 1
+
+    # -- history -----------------------------------------------------------
+    def rate(self, scope: str, subject: str, signal: str, seconds: float) -> float | None:
+        return self.windows.rate(series_key(scope, subject, signal), seconds)
+
+    def increase(self, scope: str, subject: str, signal: str, seconds: float) -> float | None:
+        return self.windows.increase(series_key(scope, subject, signal), seconds)
+
+    def ago(self, scope: str, subject: str, signal: str, seconds: float) -> float | None:
+        return self.windows.value_ago(series_key(scope, subject, signal), seconds)
+
+    # -- baselines -----------------------------------------------------------
+    def baseline(self, subject: str, name: str, value: float | None) -> float | None:
+        """The subject's baseline of ``name`` *before* this tick; queues ``value`` to be
+        folded in after the tick unless a diagnosis on ``subject`` is open or pending."""
+        key = f"{subject}/{name}"
+        if key in self._baseline_cache:
+            return self._baseline_cache[key]
+        base = self.baselines.get(key)
+        self._baseline_cache[key] = base
+        if value is not None and math.isfinite(value):
+            self.baseline_updates.append((subject, key, value))
+        return base
+
+    def ttft(self, backend: str) -> tuple[float | None, float | None]:
+        """(TTFT EWMA now, its baseline)."""
+        ttft = self.dist(backend, "ttft_seconds", "ewma")
+        return ttft, self.baseline(backend, "ttft_ewma", ttft)
+
+    def peers_median(self, backend: str, values: Mapping[str, float]) -> float | None:
+        others = [v for b, v in values.items() if b != backend]
+        return statistics.median(others) if others else None

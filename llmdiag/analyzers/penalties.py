@@ -1,0 +1,97 @@
+"""Per-backend penalty, state and reasons from open diagnoses (SPEC 3.3), and the penalties document.
+
+``penalty = 1 - prod(1 - p_i)`` over the backend's open diagnoses whose
+penalty is *enforced* (a kind with ``enforce = false`` is reported, never
+charged). The analyzer layer knows two states: ``degraded`` when the
+combined penalty reaches ``degraded_penalty``, else ``healthy``; cooling,
+ejection and warm-up belong to the balancer (llmdiag.router_feedback).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from llmdiag.model import (
+    HOST,
+    Backend,
+    BackendPenalty,
+    BackendState,
+    Diagnosis,
+    PenaltiesDocument,
+    Reason,
+    combine_penalties,
+)
+
+__all__ = ["BackendHealth", "addresses_of", "backend_health", "penalties_document"]
+
+
+@dataclass(frozen=True, slots=True)
+class BackendHealth:
+    penalty: float
+    state: BackendState
+    reasons: tuple[Reason, ...] = ()
+
+    def to_json(self) -> dict[str, object]:
+        return {"penalty": round(self.penalty, 6), "state": self.state.value}
+
+
+def backend_health(
+    backends: Iterable[str],
+    diagnoses: Iterable[Diagnosis],
+    enforced: Mapping[str, bool],
+    degraded_penalty: float,
+) -> dict[str, BackendHealth]:
+    """Combine each backend's enforced open diagnoses into its penalty, state and reasons."""
+    by_backend: dict[str, list[Diagnosis]] = {b: [] for b in backends if b != HOST}
+    for d in diagnoses:
+        if d.backend != HOST and enforced.get(d.kind, True):
+            by_backend.setdefault(d.backend, []).append(d)
+    out = {}
+    for name, ds in sorted(by_backend.items()):
+        ds.sort(key=lambda d: (-d.penalty, d.kind))
+        penalty = combine_penalties(d.penalty for d in ds)
+        state = BackendState.DEGRADED if ds and penalty >= degraded_penalty else BackendState.HEALTHY
+        out[name] = BackendHealth(penalty, state, tuple(Reason.from_diagnosis(d) for d in ds))
+    return out
+
+
+def penalties_document(
+    ts: float,
+    host: str,
+    health: Mapping[str, BackendHealth],
+    addresses: Mapping[str, str] | None = None,
+    ttl_seconds: float = 5,
+    scores: Mapping[str, tuple[float, int, BackendState]] | None = None,
+) -> PenaltiesDocument:
+    """``llmdiag.penalties/v1`` from analyzer output.
+
+    ``scores`` (name -> ``(score, weight_percent, state)``) is what the balancer
+    computed; a backend without one gets the simple default
+    ``score = 100 * (1 - penalty)``, ``weight_percent = round(score)`` and the
+    analyzer's own state."""
+    addresses = addresses or {}
+    scores = scores or {}
+    entries = []
+    for name, h in sorted(health.items()):
+        if name in scores:
+            score, weight, state = scores[name]
+        else:
+            score = round(100.0 * (1.0 - h.penalty), 3)
+            weight, state = int(round(score)), h.state
+        entries.append(
+            BackendPenalty(
+                name=name,
+                address=addresses.get(name, name),
+                score=score,
+                penalty=round(h.penalty, 6),
+                weight_percent=weight,
+                state=state,
+                reasons=h.reasons,
+            )
+        )
+    return PenaltiesDocument(ts=ts, host=host, ttl_seconds=ttl_seconds, backends=tuple(entries))
+
+
+def addresses_of(backends: Iterable[Backend]) -> dict[str, str]:
+    return {b.name: b.address for b in backends}

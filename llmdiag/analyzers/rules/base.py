@@ -1,0 +1,89 @@
+"""The rule contract: one small class per diagnosis kind.
+
+A rule looks at one tick's :class:`~llmdiag.analyzers.context.Context` and
+yields ``(subject, key, finding)`` for every subject it can judge: the
+subject is a backend name or ``host``, the key tells apart several
+diagnoses of one kind on one subject (a destination, a GPU index; usually
+``""``). ``finding`` is ``None`` when the rule has no data for that subject
+this tick (a scrape gap): the engine then neither opens nor closes it.
+
+A :class:`Finding` carries two verdicts for hysteresis: ``enter`` (the
+strict condition, which must hold ``for_seconds`` to open) and ``stay``
+(the looser exit condition; the diagnosis closes when it fails, after
+``hold_seconds``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar, Generic, TypeVar
+
+from llmdiag.analyzers.context import Context
+from llmdiag.config.analyzers import RuleConfig
+from llmdiag.model import Evidence, Severity
+
+__all__ = ["Finding", "Rule", "Verdict"]
+
+C = TypeVar("C", bound=RuleConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    enter: bool
+    stay: bool
+    severity: Severity
+    summary: str
+    evidence: tuple[Evidence, ...]
+    confidence: float
+    penalty: float
+
+
+Verdict = tuple[str, str, Finding | None]
+
+
+class Rule(Generic[C]):
+    kind: ClassVar[str]
+    remediation: ClassVar[str]
+
+    def __init__(self, config: C) -> None:
+        self.config = config
+
+    def evaluate(self, ctx: Context) -> Iterable[Verdict]:
+        raise NotImplementedError
+
+    def finding(
+        self,
+        enter: bool,
+        stay: bool,
+        severity: Severity,
+        summary: str,
+        evidence: Iterable[Evidence],
+        confidence: float,
+        penalty: float | None = None,
+    ) -> Finding:
+        """A finding whose penalty follows the severity unless given (info defaults to 0)."""
+        if penalty is None:
+            penalty = {
+                Severity.CRITICAL: self.config.critical_penalty,
+                Severity.WARNING: self.config.penalty,
+                Severity.INFO: 0.0,
+            }[severity]
+        return Finding(
+            enter=enter or False,
+            stay=stay or enter or False,
+            severity=severity,
+            summary=summary,
+            evidence=tuple(evidence),
+            confidence=max(0.0, min(1.0, confidence)),
+            penalty=max(0.0, min(1.0, penalty)),
+        )
+
+
+def ev(signal: str, value: float | str | None, threshold: float | str | None, window: float) -> Evidence:
+    """Evidence with numbers rounded for people (6 significant digits)."""
+    if isinstance(value, float):
+        value = float(f"{value:.6g}")
+    if isinstance(threshold, float):
+        threshold = float(f"{threshold:.6g}")
+    return Evidence(signal, value, threshold, float(window))

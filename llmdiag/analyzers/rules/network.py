@@ -1,0 +1,280 @@
+"""Network-side rules: cancels, TIME_WAIT, churn, HTTP/2 stalls, retransmits, conntrack."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from llmdiag.analyzers.context import Context, number
+from llmdiag.analyzers.correlate import Event, coincide, follows
+from llmdiag.analyzers.rules.base import Rule, Verdict, ev
+from llmdiag.analyzers.windows import series_key
+from llmdiag.config.analyzers import (
+    ClientTimeoutStormConfig,
+    ConnectionChurnConfig,
+    ConntrackPressureConfig,
+    GrpcFlowControlStallConfig,
+    NetworkDegradationConfig,
+    TimewaitExhaustionConfig,
+)
+from llmdiag.model import HOST, Severity
+
+__all__ = [
+    "ClientTimeoutStorm",
+    "ConnectionChurn",
+    "ConntrackPressure",
+    "GrpcFlowControlStall",
+    "NetworkDegradation",
+    "TimewaitExhaustion",
+]
+
+
+def _counter_events(ctx: Context, backend: str, signal: str, seconds: float, what: str, match: dict[str, str] | None = None) -> list[Event]:
+    """Ticks where a (possibly labelled) backend counter rose, as events keyed by
+    ``backend/conn`` when the label string names a connection, else by backend."""
+    signals = ctx.snapshot.backends.get(backend, {})
+    labels = ctx.labelled(signals, signal)
+    out: list[Event] = []
+    if labels:
+        for key, parsed in labels.items():
+            if match and any(parsed.get(k) != v for k, v in match.items()):
+                continue
+            conn = parsed.get("conn")
+            ek = f"{backend}/{conn}" if conn else backend
+            for ts, amount in ctx.windows.increments(series_key("b", backend, f"{signal}{{{key}}}"), seconds):
+                out.append(Event(ts, ek, what, amount))
+    elif match is None:
+        for ts, amount in ctx.windows.increments(series_key("b", backend, signal), seconds):
+            out.append(Event(ts, backend, what, amount))
+    return out
+
+
+def _by_backend(events: list[Event], backend: str) -> list[Event]:
+    return [Event(e.ts, backend, e.what, e.amount) for e in events]
+
+
+class ClientTimeoutStorm(Rule[ClientTimeoutStormConfig]):
+    """Cancels (RST_STREAM code=CANCEL + TCP peer closes) per second >= rate_factor_enter x baseline
+    (and >= min_rate), joined in time (correlate_seconds) with a high TTFT on the same backend."""
+
+    kind = "client_timeout_storm"
+    remediation = "The backend is past its SLO and clients give up: cancelled requests waste GPU; shed load or re-route."
+
+    def evaluate(self, ctx: Context) -> Iterable[Verdict]:
+        cfg = self.config
+        span = cfg.rate_window_seconds
+        for b in ctx.backends:
+            signals = ctx.snapshot.backends.get(b, {})
+            rates = []
+            for key, parsed in ctx.labelled(signals, "h2_rst_stream_total").items():
+                if parsed.get("code") == "CANCEL":
+                    r = ctx.rate("b", b, f"h2_rst_stream_total{{{key}}}", span)
+                    if r is not None:
+                        rates.append(r)
+            peer = ctx.rate("b", b, "tcp_peer_closes_total", span)
+            if peer is not None:
+                rates.append(peer)
+            ttft, ttft_base = ctx.ttft(b)
+            if not rates:
+                yield b, "", None
+                continue
+            cancel_rate = sum(rates)
+            base = ctx.baseline(b, "cancel_rate", cancel_rate)
+            ref = base if base is not None else cfg.min_rate
+            bar_enter = max(cfg.min_rate, cfg.rate_factor_enter * ref)
+            bar_exit = max(cfg.min_rate, cfg.rate_factor_exit * ref)
+            ttft_bar = cfg.ttft_high_seconds
+            if ttft_base is not None:
+                ttft_bar = min(ttft_bar, max(cfg.ttft_ratio * ttft_base, 0.5))
+            # Correlate: cancel ticks joined with high-TTFT ticks on the same backend.
+            lookback = span + cfg.correlate_seconds
+            cancels = _counter_events(ctx, b, "h2_rst_stream_total", span, "cancel", {"code": "CANCEL"})
+            cancels += _counter_events(ctx, b, "tcp_peer_closes_total", span, "peer_close")
+            series = ctx.windows.series(series_key("b", b, "ttft_seconds.ewma"))
+            slow = [] if series is None else [Event(ts, b, "ttft_high", v) for ts, v in series.points_since(ctx.now - lookback) if v >= ttft_bar]
+            joined = coincide(_by_backend(cancels, b), slow, cfg.correlate_seconds)
+            enter = cancel_rate >= bar_enter and bool(joined)
+            stay = cancel_rate >= bar_exit and bool(slow)
+            severity = Severity.CRITICAL if base and cancel_rate >= cfg.critical_factor * max(base, cfg.min_rate / cfg.rate_factor_enter) else Severity.WARNING
+            evidence = [
+                ev("cancels per second (rst_stream CANCEL + tcp_peer_closes)", cancel_rate, bar_enter, span),
+                ev("cancel rate baseline", base, "warming up" if base is None else None, ctx.config.baseline_seconds),
+                ev("ttft_seconds.ewma", ttft, ttft_bar, cfg.correlate_seconds),
+                ev("cancel ticks joined with high TTFT", float(len(joined)), 1.0, cfg.correlate_seconds),
+            ]
+            summary = f"clients cancel {cancel_rate:.1f}/s" + (f" ({cancel_rate / base:.0f}x baseline)" if base else "") + (f" while TTFT is {ttft:.2f}s" if ttft is not None else "")
+            yield b, "", self.finding(enter, stay, severity, summary, evidence, 0.85 if joined else 0.6)
+
+
+class TimewaitExhaustion(Rule[TimewaitExhaustionConfig]):
+    """Per destination ``ip:port``: TIME_WAIT sockets >= fraction_enter of the port range
+    (tw / (tw + ephemeral_ports_available)), or port_exhaustion_eta_seconds < eta_enter_seconds."""
+
+    kind = "timewait_exhaustion"
+    remediation = "Enable keep-alive/connection pooling to this destination; set net.ipv4.tcp_tw_reuse=1; widen ip_local_port_range."
+
+    def evaluate(self, ctx: Context) -> Iterable[Verdict]:
+        cfg = self.config
+        for dest, signals in sorted(ctx.snapshot.destinations.items()):
+            subject = ctx.backend_at(dest) or HOST
+            tw = number(signals.get("timewait_sockets"))
+            free = number(signals.get("ephemeral_ports_available"))
+            eta = number(signals.get("port_exhaustion_eta_seconds"))
+            if tw is None and eta is None:
+                yield subject, dest, None
+                continue
+            fraction = tw / (tw + free) if (tw is not None and free is not None and tw + free > 0) else None
+            enter = (fraction is not None and fraction >= cfg.fraction_enter) or (eta is not None and eta < cfg.eta_enter_seconds)
+            stay = (fraction is not None and fraction >= cfg.fraction_exit) or (eta is not None and eta < cfg.eta_exit_seconds)
+            critical = (fraction is not None and fraction >= cfg.critical_fraction) or (eta is not None and eta < cfg.critical_eta_seconds)
+            evidence = [ev(f"destinations[{dest}].timewait_sockets", tw, None, 0.0)]
+            if fraction is not None:
+                evidence.append(ev(f"destinations[{dest}] TIME_WAIT share of port range", fraction, cfg.fraction_enter, 0.0))
+            if eta is not None:
+                evidence.append(ev(f"destinations[{dest}].port_exhaustion_eta_seconds", eta, cfg.eta_enter_seconds, 0.0))
+            rate = number(signals.get("timewait_entry_rate"))
+            if rate is not None:
+                evidence.append(ev(f"destinations[{dest}].timewait_entry_rate", rate, None, 0.0))
+            summary = f"{'n/a' if tw is None else format(tw, 'g')} sockets in TIME_WAIT to {dest}"
+            if fraction is not None:
+                summary += f" ({fraction:.0%} of the port range)"
+            if eta is not None:
+                summary += f", ports run out in {eta:.0f}s"
+            yield subject, dest, self.finding(enter, stay, Severity.CRITICAL if critical else Severity.WARNING, summary, evidence, 0.9)
+
+
+class ConnectionChurn(Rule[ConnectionChurnConfig]):
+    """Connections closed per request >= ratio_enter (no reuse) with a TIME_WAIT entry rate >= tw_rate_enter."""
+
+    kind = "connection_churn"
+    remediation = "Fix client connection pooling (keep-alive on, MaxIdleConnsPerHost, idle timeouts longer than the request interval)."
+
+    def evaluate(self, ctx: Context) -> Iterable[Verdict]:
+        cfg = self.config
+        span = cfg.rate_window_seconds
+        for b in ctx.backends:
+            closes = [r for r in (ctx.rate("b", b, "tcp_active_closes_total", span), ctx.rate("b", b, "tcp_peer_closes_total", span)) if r is not None]
+            requests = None
+            for signal in ("responses_total", "requests_finished_total", "h2_streams_closed_total"):
+                requests = ctx.rate("b", b, signal, span)
+                if requests is not None:
+                    break
+            if not closes or requests is None:
+                yield b, "", None
+                continue
+            close_rate = sum(closes)
+            tw_rates = [r for r in (ctx.rate("b", b, "tcp_active_closes_total", span), ctx.host("timewait_entry_rate")) if r is not None]
+            tw_rate = max(tw_rates) if tw_rates else None
+            ratio = close_rate / requests if requests >= cfg.min_request_rate else None
+            enter = ratio is not None and ratio >= cfg.ratio_enter and tw_rate is not None and tw_rate >= cfg.tw_rate_enter
+            stay = ratio is not None and ratio >= cfg.ratio_exit
+            evidence = [
+                ev("connections closed per request", ratio, cfg.ratio_enter, span),
+                ev("requests per second", requests, cfg.min_request_rate, span),
+                ev("TIME_WAIT entries per second", tw_rate, cfg.tw_rate_enter, span),
+            ]
+            summary = f"{ratio:.2f} connections per request at {requests:.1f} req/s: clients do not reuse connections" if ratio is not None else "too few requests to judge connection reuse"
+            yield b, "", self.finding(enter, stay, Severity.WARNING, summary, evidence, 0.8)
+
+
+class GrpcFlowControlStall(Rule[GrpcFlowControlStallConfig]):
+    """A send-buffer-full or HTTP/2 flow-control stall followed within follow_seconds by RST_STREAM or
+    GOAWAY on the same connection (or backend, when the collector has no per-connection labels).
+
+    Plain stream closes are not counted as the "end" event: every healthy
+    stream ends with one, so at backend granularity they would match any stall.
+    """
+
+    kind = "grpc_flow_control_stall"
+    remediation = "Raise HTTP/2 stream/connection windows; find the slow consumer; check gateway response buffering."
+
+    def evaluate(self, ctx: Context) -> Iterable[Verdict]:
+        cfg = self.config
+        for b in ctx.backends:
+            signals = ctx.snapshot.backends.get(b, {})
+            if not any(s in signals for s in ("h2_flow_control_stalls_total", "tcp_sndbuf_full_total")):
+                yield b, "", None
+                continue
+            stalls = _counter_events(ctx, b, "h2_flow_control_stalls_total", cfg.window_seconds, "stall")
+            stalls += _counter_events(ctx, b, "tcp_sndbuf_full_total", cfg.window_seconds, "sndbuf_full")
+            ends = _counter_events(ctx, b, "h2_rst_stream_total", cfg.window_seconds, "rst_stream")
+            ends += _counter_events(ctx, b, "h2_goaway_total", cfg.window_seconds, "goaway")
+            # Join per connection when the collector labels connections (conn=...) on both sides;
+            # otherwise per backend, which is coarser (any reset on the backend may follow a stall).
+            conn_ends = [e for e in ends if e.key != b]
+            per_conn = bool(stalls) and all(e.key != b for e in stalls) and bool(conn_ends)
+            if per_conn:
+                ends = conn_ends
+            else:
+                stalls, ends = _by_backend(stalls, b), _by_backend(ends, b)
+            matches = follows(stalls, ends, cfg.follow_seconds)
+            n = len(matches)
+            severity = Severity.CRITICAL if n >= cfg.critical_matches else Severity.WARNING
+            evidence = [
+                ev("stalls (flow control / sndbuf full)", sum(e.amount for e in stalls), None, cfg.window_seconds),
+                ev("stalls followed by RST_STREAM/GOAWAY", float(n), float(cfg.min_matches), cfg.follow_seconds),
+            ]
+            if matches:
+                m = matches[-1]
+                evidence.append(ev(f"last: {m.first.what} -> {m.second.what} on {m.first.key}", m.gap_seconds, cfg.follow_seconds, cfg.follow_seconds))
+            summary = f"{n} flow-control stalls ended in a stream reset within {cfg.follow_seconds:g}s"
+            yield b, "", self.finding(n >= cfg.min_matches, n >= cfg.min_matches, severity, summary, evidence, 0.8 if per_conn else 0.6)
+
+
+class NetworkDegradation(Rule[NetworkDegradationConfig]):
+    """Retransmits per send >= retransmit_factor_enter x baseline (and >= the floor), or srtt >=
+    srtt_factor_enter x baseline (and >= srtt_floor_seconds)."""
+
+    kind = "network_degradation"
+    remediation = "Check the NIC and the network path (errors, drops, congestion); move traffic away from this backend."
+
+    def evaluate(self, ctx: Context) -> Iterable[Verdict]:
+        cfg = self.config
+        span = cfg.rate_window_seconds
+        for b in ctx.backends:
+            sends = ctx.rate("b", b, "tcp_sends_total", span)
+            retrans = ctx.rate("b", b, "tcp_retransmits_total", span)
+            srtt = ctx.dist(b, "srtt_seconds", "p50")
+            ratio = retrans / sends if (sends is not None and retrans is not None and sends >= cfg.min_send_rate) else None
+            base_ratio = ctx.baseline(b, "retransmit_ratio", ratio)
+            base_srtt = ctx.baseline(b, "srtt", srtt)
+            if ratio is None and srtt is None:
+                yield b, "", None
+                continue
+            evidence = []
+            enter = stay = False
+            if ratio is not None:
+                ref = base_ratio if base_ratio is not None else cfg.retransmit_ratio_floor
+                bar = max(cfg.retransmit_ratio_floor, cfg.retransmit_factor_enter * ref)
+                enter |= ratio >= bar
+                stay |= ratio >= max(cfg.retransmit_ratio_floor, cfg.retransmit_factor_exit * ref)
+                evidence.append(ev("retransmits per send", ratio, bar, span))
+            if srtt is not None and base_srtt is not None:
+                bar = max(cfg.srtt_floor_seconds, cfg.srtt_factor_enter * base_srtt)
+                enter |= srtt >= bar
+                stay |= srtt >= max(cfg.srtt_floor_seconds, cfg.srtt_factor_exit * base_srtt)
+                evidence.append(ev("srtt_seconds", srtt, bar, 0.0))
+            parts = []
+            if ratio is not None:
+                parts.append(f"{ratio:.1%} of sends retransmitted")
+            if srtt is not None:
+                parts.append(f"srtt {srtt * 1e3:.1f} ms" + (f" ({srtt / base_srtt:.1f}x baseline)" if base_srtt else ""))
+            critical = ratio is not None and ratio >= 0.1
+            yield b, "", self.finding(enter, stay, Severity.CRITICAL if critical else Severity.WARNING, ", ".join(parts), evidence, 0.75)
+
+
+class ConntrackPressure(Rule[ConntrackPressureConfig]):
+    """Host conntrack_entries >= enter x conntrack_max (new connections get dropped when full)."""
+
+    kind = "conntrack_pressure"
+    remediation = "Raise net.netfilter.nf_conntrack_max; bypass conntrack (NOTRACK) for backend ports."
+
+    def evaluate(self, ctx: Context) -> Iterable[Verdict]:
+        cfg = self.config
+        entries, limit = ctx.host("conntrack_entries"), ctx.host("conntrack_max")
+        if entries is None or not limit:
+            yield HOST, "", None
+            return
+        usage = entries / limit
+        severity = Severity.CRITICAL if usage >= cfg.critical_usage else Severity.WARNING
+        evidence = [ev("conntrack_entries / conntrack_max", usage, cfg.enter, 0.0), ev("conntrack_entries", entries, cfg.enter * limit, 0.0)]
+        yield HOST, "", self.finding(usage >= cfg.enter, usage >= cfg.exit, severity, f"conntrack table {usage:.0%} full ({entries:g} of {limit:g})", evidence, 0.95)
