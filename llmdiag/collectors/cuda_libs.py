@@ -1,0 +1,175 @@
+"""Finding the CUDA driver library of a process, and what it exports.
+
+Three small readers for the CUDA allocation tracer, each on an overridable
+``proc_root`` so tests run on recorded files:
+
+* :func:`find_library` reads ``/proc/PID/maps`` for the first mapping whose
+  file name starts with ``libcuda.so`` (the driver; ``libcudart.so``, the
+  runtime that calls it, does not match);
+* :func:`exported_functions` reads the ELF dynamic symbol table (``.dynsym``)
+  of that file and returns the names of the functions it defines, so the
+  tracer attaches only to entry points the installed driver has
+  (``cuMemAllocAsync`` arrived in CUDA 11.2, ``cuMemCreate`` in 10.2);
+* :func:`descendants` walks ``/proc/*/stat`` parent links, because engines
+  allocate GPU memory in child processes.
+
+Processes vanish mid-read: that is "gone" (``None`` or absent), not an error.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ElfError", "MappedLibrary", "descendants", "exported_functions", "find_library", "parse_maps"]
+
+_DELETED = " (deleted)"
+
+
+@dataclass(frozen=True)
+class MappedLibrary:
+    """A library mapping: ``path`` as the process sees it (its own mount namespace),
+    and ``deleted`` when the file was replaced after it was mapped (a driver upgrade
+    under a running engine): probes on the new file would never fire in this process."""
+
+    path: str
+    deleted: bool = False
+
+
+def parse_maps(text: str, names: Iterable[str]) -> MappedLibrary | None:
+    """The first mapped file in ``/proc/PID/maps`` text whose base name starts with one of ``names``."""
+    prefixes = tuple(names)
+    for line in text.splitlines():
+        # address perms offset dev inode [pathname]; the pathname may contain spaces.
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or not fields[5].startswith("/"):
+            continue
+        path = fields[5]
+        deleted = path.endswith(_DELETED)
+        if deleted:
+            path = path[: -len(_DELETED)]
+        if os.path.basename(path).startswith(prefixes):
+            return MappedLibrary(path, deleted)
+    return None
+
+
+def find_library(pid: int, names: Iterable[str], proc_root: str | Path = "/proc") -> MappedLibrary | None:
+    """The CUDA library ``pid`` has mapped, or ``None`` (not mapped, or the process is gone)."""
+    try:
+        text = (Path(proc_root) / str(pid) / "maps").read_text(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return parse_maps(text, names)
+
+
+class ElfError(ValueError):
+    """A file that is not an ELF shared object this reader understands."""
+
+
+_SHT_DYNSYM = 11
+_STT_FUNC, _STT_GNU_IFUNC = 2, 10
+_STB_GLOBAL, _STB_WEAK = 1, 2
+
+
+def exported_functions(path: str | Path) -> set[str]:
+    """Names of the functions an ELF64 little-endian shared object defines and exports
+    (``.dynsym``: FUNC or IFUNC, GLOBAL or WEAK, not undefined). Reads only the section
+    headers and the two tables, not the whole file (libcuda.so is over 30 MB)."""
+    with open(path, "rb") as fh:
+        ident = fh.read(64)
+        if len(ident) < 64 or ident[:4] != b"\x7fELF":
+            raise ElfError(f"{path}: not an ELF file")
+        if ident[4] != 2 or ident[5] != 1:
+            raise ElfError(f"{path}: only 64-bit little-endian ELF is supported (class {ident[4]}, data {ident[5]})")
+        shoff, = struct.unpack_from("<Q", ident, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", ident, 0x3A)
+        if shoff == 0 or shnum == 0 or shentsize < 64:
+            raise ElfError(f"{path}: no section headers")
+        fh.seek(shoff)
+        table = fh.read(shentsize * shnum)
+        if len(table) < shentsize * shnum:
+            raise ElfError(f"{path}: truncated section header table")
+        sections = [struct.unpack_from("<IIQQQQIIQQ", table, i * shentsize) for i in range(shnum)]
+        dynsym = next((s for s in sections if s[1] == _SHT_DYNSYM), None)
+        if dynsym is None:
+            raise ElfError(f"{path}: no .dynsym (not a shared object?)")
+        link = dynsym[6]
+        if link >= shnum:
+            raise ElfError(f"{path}: .dynsym links to a missing string table")
+        symbols = _read(fh, dynsym[4], dynsym[5], path)
+        strings = _read(fh, sections[link][4], sections[link][5], path)
+    entsize = dynsym[9] or 24
+    names: set[str] = set()
+    for offset in range(0, len(symbols) - entsize + 1, entsize):
+        st_name, st_info, _other, st_shndx = struct.unpack_from("<IBBH", symbols, offset)
+        if st_shndx == 0 or st_info & 0xF not in (_STT_FUNC, _STT_GNU_IFUNC):
+            continue
+        if st_info >> 4 not in (_STB_GLOBAL, _STB_WEAK):
+            continue
+        end = strings.find(b"\0", st_name)
+        if end > st_name:
+            names.add(strings[st_name:end].decode("ascii", errors="replace"))
+    return names
+
+
+def _read(fh, offset: int, size: int, path: str | Path) -> bytes:  # type: ignore[no-untyped-def]
+    fh.seek(offset)
+    data = fh.read(size)
+    if len(data) < size:
+        raise ElfError(f"{path}: section at {offset:#x} runs past the end of the file")
+    return data
+
+
+def _parent_of(stat_text: str) -> int | None:
+    # "pid (comm) state ppid ...": comm may contain spaces and ')', so split at the last ')'.
+    _, sep, rest = stat_text.rpartition(")")
+    fields = rest.split()
+    if not sep or len(fields) < 2:
+        return None
+    try:
+        return int(fields[1])
+    except ValueError:
+        return None
+
+
+def descendants(roots: Iterable[int], proc_root: str | Path = "/proc") -> dict[int, int]:
+    """Every live process under each root pid (the roots included): ``{tgid: root}``.
+
+    A root that is gone is left out. One pass over ``/proc/*/stat``; a process that
+    exits during the pass is skipped.
+    """
+    root_set = set(roots)
+    proc = Path(proc_root)
+    parents: dict[int, int] = {}
+    try:
+        entries = list(os.scandir(proc))
+    except OSError:
+        return {}
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (proc / entry.name / "stat").read_text(errors="replace")
+        except OSError:
+            continue
+        parent = _parent_of(text)
+        if parent is not None:
+            parents[int(entry.name)] = parent
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    owner: dict[int, int] = {}
+    for root in sorted(root_set):
+        if root not in parents:
+            continue  # gone
+        stack = [root]
+        while stack:
+            pid = stack.pop()
+            if pid in owner:  # also guards against a parent loop in recorded data
+                continue
+            owner[pid] = root
+            stack.extend(children.get(pid, ()))
+    return owner
