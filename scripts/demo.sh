@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # `make demo`: the main job on this host.
 #   1. llmdiag doctor: what works here and what to do about each gap;
-#   2. llmdiag collect: a few snapshots from every collector that can run
-#      (engines found on local ports, or given with BACKENDS="http://h:p ...").
+#   2. engines found on local ports (or given as BACKENDS="http://h:p ..."):
+#        llmdiag diagnose on them for DEMO_SECONDS (default 30);
+#      none found: llmdiag demo, the embedded fleet of fake vLLM engines where one
+#      drowns behind round robin while /health says 200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LLMDIAG=.venv/bin/llmdiag
@@ -11,5 +13,13 @@ for url in ${BACKENDS:-}; do args+=(--backend "$url"); done
 
 "$LLMDIAG" "${args[@]}" doctor
 echo
-echo "== llmdiag collect --duration ${DEMO_SECONDS:-5} (Ctrl-C to stop) =="
-exec "$LLMDIAG" "${args[@]}" collect --duration "${DEMO_SECONDS:-5}"
+found=${#args[@]}
+if [ "$found" = 0 ]; then
+    found=$(.venv/bin/python -c 'from llmdiag.collectors.discovery import discover_engines; print(len(discover_engines()))' 2>/dev/null || echo 0)
+fi
+if [ "$found" != 0 ]; then
+    echo "== llmdiag diagnose --duration ${DEMO_SECONDS:-30} on the engines of this host =="
+    exec "$LLMDIAG" "${args[@]}" diagnose --duration "${DEMO_SECONDS:-30}"
+fi
+echo "== no inference engines found on this host: llmdiag demo (embedded fleet of fake vLLM engines) =="
+exec "$LLMDIAG" demo --duration "${DEMO_SECONDS:-60}"
