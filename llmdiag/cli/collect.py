@@ -18,13 +18,11 @@ import argparse
 import dataclasses
 import json
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from llmdiag.collectors.base import collect_snapshot
 from llmdiag.config import Config
 from llmdiag.model import Snapshot, write_snapshots
 
@@ -40,29 +38,10 @@ def snapshot_stream(
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Iterator[Snapshot]:
-    """Yield snapshots at ``[agent] interval_seconds`` until ``duration`` ends (or forever)."""
+    """Yield snapshots at ``[agent] interval_seconds`` for ``duration`` seconds (or forever)."""
     backends = wiring.resolve_backends(config)
-    collectors, unavailable = wiring.build_collectors(config, backends, names)
-    hostname = config.agent.hostname or socket.gethostname()
-    interval = config.agent.interval_seconds
-    try:
-        start = clock()
-        if once:
-            collect_snapshot(collectors, start, hostname)  # prime counters and histograms
-            sleep(interval)
-        next_tick = clock()
-        while True:
-            now = clock()
-            snap = collect_snapshot(collectors, now, hostname)
-            snap.collectors.update(unavailable)
-            yield snap
-            if once or (duration is not None and now - start + interval > duration + 1e-9):
-                return
-            next_tick += interval
-            sleep(max(0.0, next_tick - clock()))
-    finally:
-        for c in collectors:
-            c.close()
+    return wiring.snapshot_ticks(config, backends, names, duration=1 if once else duration, prime=once,
+                                 clock=clock, sleep=sleep)
 
 
 def _print_summary(snap: Snapshot) -> None:

@@ -12,7 +12,6 @@ diagnoses. At the end it prints the diagnosis report (exit code as
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -26,8 +25,7 @@ from rich.text import Text
 from llmdiag.analyzers import Analyzer, backend_health
 from llmdiag.cli.diagnose import analyze
 from llmdiag.cli.report import print_report
-from llmdiag.cli.wiring import build_collectors
-from llmdiag.collectors.base import collect_snapshot
+from llmdiag.cli.wiring import snapshot_ticks
 from llmdiag.config import Config
 from llmdiag.model import Backend, Distribution, Snapshot
 from llmdiag.router_feedback.balancer import Balancer
@@ -71,30 +69,18 @@ def _table(snap: Snapshot, analyzer: Analyzer, balancer: Balancer, elapsed: floa
 
 def _watch(config: Config, fleet: DemoFleet, backends: list[Backend], duration: float, analyzer: Analyzer,
            balancer: Balancer, live: Live | None) -> Iterator[Snapshot]:
-    collectors, unavailable = build_collectors(config, backends, list(DEMO_COLLECTORS))
-    hostname = config.agent.hostname or socket.gethostname()
-    interval = config.agent.interval_seconds
     start = time.monotonic()
-    try:
-        next_tick = time.monotonic()
-        while time.monotonic() - start < duration:
-            snap = collect_snapshot(collectors, time.time(), hostname)
-            snap.collectors.update(unavailable)
-            yield snap  # the caller's analyze() observes it before asking for the next one
-            for name, signals in snap.backends.items():
-                balancer.update_signals(name, signals)
-            # The analyzer has observed this snapshot: hand its penalties to the balancer, as the agent does.
-            health = backend_health(snap.backends, analyzer.open_diagnoses(), analyzer.enforced,
-                                    config.diagnosis.degraded_penalty)
-            for name, h in health.items():
-                balancer.set_penalty(name, h.penalty, h.reasons)
-            if live is not None:
-                live.update(_table(snap, analyzer, balancer, time.monotonic() - start, fleet))
-            next_tick += interval
-            time.sleep(max(0.0, next_tick - time.monotonic()))
-    finally:
-        for c in collectors:
-            c.close()
+    for snap in snapshot_ticks(config, backends, list(DEMO_COLLECTORS), duration=duration):
+        yield snap  # the caller's analyze() observes it before asking for the next one
+        for name, signals in snap.backends.items():
+            balancer.update_signals(name, signals)
+        # The analyzer has observed this snapshot: hand its penalties to the balancer, as the agent does.
+        health = backend_health(snap.backends, analyzer.open_diagnoses(), analyzer.enforced,
+                                config.diagnosis.degraded_penalty)
+        for name, h in health.items():
+            balancer.set_penalty(name, h.penalty, h.reasons)
+        if live is not None:
+            live.update(_table(snap, analyzer, balancer, time.monotonic() - start, fleet))
 
 
 def handle(args: argparse.Namespace, config: Config) -> int:

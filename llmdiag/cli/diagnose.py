@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -27,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmdiag.analyzers import Analyzer, BackendHealth
-from llmdiag.collectors.base import GuardedCollector, collect_snapshot
 from llmdiag.config import Config
 from llmdiag.model import Backend, CollectorStatus, Diagnosis, Severity, Snapshot, SnapshotError, read_snapshots
 
@@ -111,26 +109,11 @@ def live_snapshots(
     Collectors are built (and closed at the end) by :func:`llmdiag.cli.wiring.build_collectors`
     for ``backends`` (default: configured, else discovered); with no backends the host-level
     collectors still run. Raises ``ValueError`` for an unknown collector name."""
-    from llmdiag.cli.wiring import build_collectors, resolve_backends
+    from llmdiag.cli.wiring import resolve_backends, snapshot_ticks
 
-    collectors, unavailable = build_collectors(config, backends if backends is not None else resolve_backends(config))
-    hostname = config.agent.hostname or socket.gethostname()
-    interval = config.agent.interval_seconds
-    ticks = max(1, int(round(duration / interval)))
-    try:
-        next_tick = clock()
-        for i in range(ticks):
-            snap = collect_snapshot(collectors, clock(), hostname)
-            snap.collectors.update(unavailable)
-            yield snap
-            if i + 1 < ticks:
-                next_tick += interval
-                delay = next_tick - clock()
-                if delay > 0:
-                    sleep(delay)
-    finally:
-        for c in collectors:
-            c.close()
+    if backends is None:
+        backends = resolve_backends(config)
+    return snapshot_ticks(config, backends, duration=duration, clock=clock, sleep=sleep)
 
 
 def _primed(snapshots: Iterator[Snapshot]) -> Iterator[Snapshot]:

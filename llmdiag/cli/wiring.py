@@ -10,13 +10,17 @@ as an ``unavailable`` collector status instead of failing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import socket
+import time
+from collections.abc import Callable, Iterator
 
-from llmdiag.collectors.base import Collector, GuardedCollector
+from llmdiag.collectors.base import Collector, GuardedCollector, collect_snapshot
+from llmdiag.collectors.gpu import build_gpu_collector
+from llmdiag.collectors.procfs import build_proc_collector
 from llmdiag.config import Config
-from llmdiag.model import Backend, CollectorState, CollectorStatus
+from llmdiag.model import Backend, CollectorState, CollectorStatus, Snapshot
 
-__all__ = ["COLLECTOR_FACTORIES", "CollectorUnavailable", "build_collectors", "resolve_backends"]
+__all__ = ["COLLECTOR_FACTORIES", "CollectorUnavailable", "build_collectors", "resolve_backends", "snapshot_ticks"]
 
 log = logging.getLogger("llmdiag.agent")
 
@@ -28,7 +32,56 @@ class CollectorUnavailable(RuntimeError):
 CollectorFactory = Callable[[Config, list[Backend]], Collector]
 
 #: name -> factory; each collector module's issue adds its entry here.
-COLLECTOR_FACTORIES: dict[str, CollectorFactory] = {}
+COLLECTOR_FACTORIES: dict[str, CollectorFactory] = {
+    "engine": lambda config, backends: _engine_factory(config, backends),
+    "gpu": lambda config, backends: build_gpu_collector(config, backends),
+    "proc": lambda config, backends: build_proc_collector(config, backends),
+    "tcp": lambda config, backends: _tcp_factory(config, backends),
+    "timewait": lambda config, backends: _timewait_factory(config, backends),
+    "cuda": lambda config, backends: _cuda_factory(config, backends),
+    "http2": lambda config, backends: _http2_factory(config, backends),
+}
+
+
+def _engine_factory(config: Config, backends: list[Backend]) -> Collector:
+    from llmdiag.collectors.engine import build_engine_collector  # noqa: PLC0415
+
+    return build_engine_collector(config, backends)
+
+
+def _tcp_factory(config: Config, backends: list[Backend]) -> Collector:
+    from llmdiag.collectors.tcp import build_tcp_collector  # noqa: PLC0415 - compiles BPF only when asked
+
+    collector = build_tcp_collector(config, backends)
+    if collector.unavailable is not None:
+        raise CollectorUnavailable(f"{collector.unavailable.reason} (hint: {collector.unavailable.hint})")
+    return collector
+
+
+def _cuda_factory(config: Config, backends: list[Backend]) -> Collector:
+    from llmdiag.bpf.loader import BPFUnavailable  # noqa: PLC0415
+    from llmdiag.collectors.cuda_alloc import build_cuda_collector  # noqa: PLC0415 - compiles BPF only when asked
+
+    try:
+        return build_cuda_collector(config, backends)
+    except BPFUnavailable as exc:
+        raise CollectorUnavailable(str(exc)) from exc
+
+
+def _http2_factory(config: Config, backends: list[Backend]) -> Collector:
+    from llmdiag.bpf.loader import BPFUnavailable  # noqa: PLC0415
+    from llmdiag.collectors.http2 import build_http2_collector  # noqa: PLC0415 - compiles BPF only when asked
+
+    try:
+        return build_http2_collector(config, backends)
+    except BPFUnavailable as exc:
+        raise CollectorUnavailable(str(exc)) from exc
+
+
+def _timewait_factory(config: Config, backends: list[Backend]) -> Collector:
+    from llmdiag.collectors.timewait import build_timewait_collector  # noqa: PLC0415
+
+    return build_timewait_collector(config, backends)
 
 
 def resolve_backends(config: Config) -> list[Backend]:
@@ -73,3 +126,47 @@ def build_collectors(
             log.warning("collector %s failed to start: %s", name, exc)
             unavailable[name] = CollectorStatus(CollectorState.UNAVAILABLE, f"failed to start: {type(exc).__name__}: {exc}")
     return running, unavailable
+
+
+def snapshot_ticks(
+    config: Config,
+    backends: list[Backend],
+    names: list[str] | None = None,
+    *,
+    duration: float | None = None,
+    prime: bool = False,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Iterator[Snapshot]:
+    """Build the collectors and yield one snapshot every ``[agent] interval_seconds``.
+
+    ``duration`` gives ``max(1, round(duration / interval))`` snapshots (``None``: until the
+    consumer stops). ``prime`` runs one unreported tick first, so that rates and window
+    quantiles exist in the first snapshot yielded. Collectors are closed when the generator
+    ends or is closed (BPF programs detached). Unknown collector names raise ``ValueError``
+    before anything is yielded.
+    """
+    collectors, unavailable = build_collectors(config, backends, names)
+    hostname = config.agent.hostname or socket.gethostname()
+    interval = config.agent.interval_seconds
+    ticks = None if duration is None else max(1, int(round(duration / interval)))
+    try:
+        if prime:
+            collect_snapshot(collectors, clock(), hostname)
+            sleep(interval)
+        next_tick = clock()
+        count = 0
+        while True:
+            snap = collect_snapshot(collectors, clock(), hostname)
+            snap.collectors.update(unavailable)
+            yield snap
+            count += 1
+            if ticks is not None and count >= ticks:
+                return
+            next_tick += interval
+            delay = next_tick - clock()
+            if delay > 0:
+                sleep(delay)
+    finally:
+        for c in collectors:
+            c.close()

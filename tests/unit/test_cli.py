@@ -43,3 +43,16 @@ def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
 def test_collect_rejects_unknown_collector(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["collect", "--once", "--collectors", "no_such_collector", "--json"]) == 2
     assert "unknown collector(s): no_such_collector" in capsys.readouterr().err
+
+
+def test_collect_once_then_record_and_replay(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["collect", "--once", "--interval", "0.05", "--collectors", "proc", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["schema"] == "llmdiag.snapshot/v1"
+    assert doc["collectors"]["proc"]["status"] == "ok"
+    assert 0 <= doc["host"]["psi_cpu_some_avg10"] <= 1  # from the live /proc/pressure/cpu
+    path = tmp_path / "rec.jsonl.gz"
+    assert main(["collect", "--duration", "0.15", "--interval", "0.05", "--collectors", "proc", "--record", str(path)]) == 0
+    assert "recorded 3 snapshot(s)" in capsys.readouterr().err
+    assert main(["diagnose", "--replay", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["diagnoses"] == []
