@@ -1,0 +1,252 @@
+"""http2 collector: HTTP/2 and gRPC stream signals of local backends (SPEC 3.2, 4 "http2").
+
+The ``http2_frames`` BPF program (llmdiag/bpf/http2_frames.bpf.c) walks the
+HTTP/2 frame headers that the backend processes read from and write to their
+accepted TCP connections, in the kernel, from syscall tracepoints. This
+module finds those processes and connections in /proc (the pid owning the
+LISTEN socket of each backend's port; see :mod:`h2_procnet`), keeps the
+program's maps in step once per :attr:`Http2Config.refresh_seconds`, and
+turns its cumulative counters into per-backend samples
+(``Sample(Scope.BACKEND, backend.name, ...)``):
+
+=============================== ==================================================================
+``h2_streams_opened_total``      HEADERS received that opened a new client stream
+``h2_streams_closed_total``      streams that reached "closed" (END_STREAM both ways, or RST_STREAM)
+``h2_rst_stream_total``          Labelled ``code=<RFC 9113 name>,direction=received|sent``
+``h2_goaway_total``              Labelled ``code=...,direction=...``
+``h2_flow_control_stalls_total`` send windows exhausted >= ``stall_seconds`` (docs/http2.md)
+``grpc_connections``             traced connections confirmed to speak HTTP/2 (gauge)
+``h2_window_update_total``       Labelled ``direction=...``
+``h2_settings_total``            Labelled ``direction=...``
+``h2_send_eagain_total``         sends on HTTP/2 connections that returned EAGAIN
+``h2_parse_resyncs_total``       times the walker lost its place (invalid header, too many frames)
+=============================== ==================================================================
+
+Directions are the backend's: ``received`` = the client sent it. Counters are
+cumulative since the program loaded. A backend whose port no local process
+has listened on since then gets no samples (and the status says so); one
+that stopped listening keeps reporting its counters.
+
+:meth:`Http2Collector.recent_events` gives the RST_STREAM/GOAWAY events with
+their connection (pid, fd), timestamp and the connection's stall count at
+that moment: the input for the ``grpc_flow_control_stall`` correlation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from llmdiag.bpf.loader import BPFUnavailable
+from llmdiag.collectors.h2_kernel import ConnectionCounters, H2Kernel, RawEvent, code_counts, code_name
+from llmdiag.collectors.h2_procnet import backend_sockets
+from llmdiag.config import Config
+from llmdiag.config.http2 import Http2Config
+from llmdiag.model import Backend, CollectorState, CollectorStatus, Labelled, Sample, Scope, label_key
+
+__all__ = ["H2Event", "Http2Collector", "build_http2_collector"]
+
+log = logging.getLogger("llmdiag.collectors.http2")
+
+
+@dataclass(frozen=True, slots=True)
+class H2Event:
+    """One RST_STREAM or GOAWAY frame seen on a backend connection."""
+
+    ts: float  # wall-clock seconds
+    backend: str
+    pid: int
+    fd: int
+    port: int
+    frame: str  # "RST_STREAM" | "GOAWAY"
+    code: str  # RFC 9113 name, or OTHER
+    error_code: int
+    direction: str  # "received" (from the client) | "sent" (by the backend)
+    stream_id: int  # RST_STREAM's stream; 0 for GOAWAY
+    last_stream_id: int  # GOAWAY only
+    connection_stalls: int  # flow-control stalls counted on this connection up to this frame
+    stream_stalled_seconds: float  # how long the reset stream's send window had been exhausted (0: not)
+
+    @property
+    def connection(self) -> tuple[int, int]:
+        return (self.pid, self.fd)
+
+
+class Http2Collector:
+    """Per-backend HTTP/2 counters from the http2_frames BPF program.
+
+    ``kernel`` is a loaded :class:`H2Kernel`; ``proc_root``, ``clock``
+    (wall seconds) and ``monotonic_ns`` are the roots (injectable for tests).
+    """
+
+    name = "http2"
+
+    def __init__(
+        self,
+        backends: Iterable[Backend],
+        kernel: H2Kernel,
+        config: Http2Config | None = None,
+        *,
+        proc_root: str | os.PathLike[str] = "/proc",
+        clock: Callable[[], float] = time.time,
+        monotonic_ns: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        self.config = config or Http2Config()
+        self.kernel = kernel
+        self.proc_root = proc_root
+        self.clock = clock
+        self.monotonic_ns = monotonic_ns
+        self._backends_by_port: dict[int, list[str]] = {}
+        for backend in backends:
+            self._backends_by_port.setdefault(backend.port, []).append(backend.name)
+        self._events: deque[H2Event] = deque(maxlen=self.config.recent_events)
+        self._pid_ports: dict[int, tuple[int, ...]] = {}
+        self._seen_ports: set[int] = set()
+        self._last_refresh_ns: int | None = None
+        self._last_ok_ts: float | None = None
+        self._problem: str | None = None
+
+    # -- the /proc side ---------------------------------------------------------
+    def refresh(self) -> None:
+        """Re-read /proc: backend pids into ``watched_pids``, their connections into ``conns``."""
+        scanned_at = self.monotonic_ns()
+        found = backend_sockets(self._backends_by_port, self.proc_root)
+        self._pid_ports = found.pid_ports
+        self._seen_ports.update(port for ports in found.pid_ports.values() for port in ports)
+        self.kernel.set_pids({pid: ports[0] for pid, ports in found.pid_ports.items()})
+        self.kernel.sync_connections(found.connections, scanned_at)
+        self._last_refresh_ns = scanned_at
+
+    def _refresh_due(self) -> bool:
+        if self._last_refresh_ns is None:
+            return True
+        return self.monotonic_ns() - self._last_refresh_ns >= self.config.refresh_seconds * 1e9
+
+    # -- collecting ---------------------------------------------------------------
+    def collect(self, now: float) -> list[Sample]:
+        if self._refresh_due():
+            self.refresh()
+        self._take_events()
+        stats = self.kernel.read_stats()
+        conns = self.kernel.read_connections()
+        listening = {port for ports in self._pid_ports.values() for port in ports}
+        samples: list[Sample] = []
+        missing = []
+        for port, names in sorted(self._backends_by_port.items()):
+            if port not in listening:
+                missing.append(port)
+            if port not in self._seen_ports:
+                continue  # never traced: no numbers, not zeros
+            # A backend that stopped listening (shutdown with grace) keeps its counters.
+            signals = _backend_signals(port, stats, conns)
+            for name in names:
+                samples.extend(Sample(Scope.BACKEND, name, signal, value) for signal, value in signals.items())
+        self._problem = (
+            f"no local process listens on port(s) {', '.join(map(str, missing))}" if missing else None
+        )
+        self._last_ok_ts = now
+        return samples
+
+    def _take_events(self) -> None:
+        mono_now = self.monotonic_ns()
+        wall_now = self.clock()
+        for raw in self.kernel.poll_events():
+            self._events.append(_event(raw, self._backends_by_port, wall_now - (mono_now - raw.ts_ns) / 1e9))
+
+    def recent_events(self, since: float | None = None, backend: str | None = None) -> list[H2Event]:
+        """RST_STREAM/GOAWAY events (oldest first), optionally since a wall time and for one backend.
+        Drains the kernel ring buffer first, so it is current between ticks too."""
+        self._take_events()
+        return [e for e in self._events
+                if (since is None or e.ts >= since) and (backend is None or e.backend == backend)]
+
+    def connections(self) -> list[ConnectionCounters]:
+        """Per-connection counters of the traced connections (stalls, resets, EAGAIN)."""
+        return self.kernel.read_connections()
+
+    # -- contract -------------------------------------------------------------
+    def status(self) -> CollectorStatus:
+        errors = self.kernel.errors()
+        problems = [self._problem] if self._problem else []
+        lost = errors.get("lost_events", 0)
+        if errors.get("map_full"):
+            problems.append(f"{errors['map_full']} BPF map insert(s) or ring buffer write(s) failed (map full)")
+        if lost:
+            problems.append(f"{lost} event(s) lost")
+        if errors.get("tail_call"):
+            problems.append(f"frame walker missing for {errors['tail_call']} syscall(s)")
+        path = "tracepoint:syscalls (sys_enter/exit of read, readv, recvfrom, recvmsg, write, writev, sendto, sendmsg)"
+        if problems:
+            return CollectorStatus(CollectorState.DEGRADED, "; ".join(problems) + f" [{path}]", self._last_ok_ts)
+        return CollectorStatus(CollectorState.OK, path, self._last_ok_ts)
+
+    def close(self) -> None:
+        self.kernel.close()
+
+
+def _backend_signals(port: int, stats: dict, conns: list[ConnectionCounters]) -> dict[str, object]:
+    rst = Labelled()
+    goaway = Labelled()
+    window_updates = Labelled()
+    settings = Labelled()
+    opened = closed = stalls = eagain = resyncs = 0
+    for direction in ("received", "sent"):
+        counters = stats.get((port, direction))
+        window_updates[label_key(direction=direction)] = int(counters["window_updates"]) if counters else 0
+        settings[label_key(direction=direction)] = int(counters["settings"]) if counters else 0
+        if not counters:
+            continue
+        opened += int(counters["streams_opened"])
+        closed += int(counters["streams_closed"])
+        stalls += int(counters["stalls"])
+        eagain += int(counters["send_eagain"])
+        resyncs += int(counters["desyncs"])
+        for code, count in code_counts(counters["rst_stream"]).items():
+            rst.add(count, code=code, direction=direction)
+        for code, count in code_counts(counters["goaway"]).items():
+            goaway.add(count, code=code, direction=direction)
+    return {
+        "h2_streams_opened_total": opened,
+        "h2_streams_closed_total": closed,
+        "h2_rst_stream_total": rst,
+        "h2_goaway_total": goaway,
+        "h2_flow_control_stalls_total": stalls,
+        "grpc_connections": sum(1 for c in conns if c.port == port and c.confirmed),
+        "h2_window_update_total": window_updates,
+        "h2_settings_total": settings,
+        "h2_send_eagain_total": eagain,
+        "h2_parse_resyncs_total": resyncs,
+    }
+
+
+def _event(raw: RawEvent, backends_by_port: dict[int, list[str]], wall_ts: float) -> H2Event:
+    names = backends_by_port.get(raw.port) or [f"port:{raw.port}"]
+    return H2Event(
+        ts=wall_ts, backend=names[0], pid=raw.pid, fd=raw.fd, port=raw.port, frame=raw.frame,
+        code=code_name(raw.error_code), error_code=raw.error_code, direction=raw.direction,
+        stream_id=raw.stream_id, last_stream_id=raw.last_stream_id, connection_stalls=raw.conn_stalls,
+        stream_stalled_seconds=raw.stream_stalled_ns / 1e9,
+    )
+
+
+def build_http2_collector(config: Config, backends: list[Backend]) -> Http2Collector:
+    """Compile and load the program for the ``grpc://`` backends.
+
+    Raises :class:`llmdiag.bpf.loader.BPFUnavailable` when BPF cannot load, and
+    also when no backend is a ``grpc://`` one: enabling syscall tracepoints
+    costs every process on the host a little, so nothing is loaded for nothing."""
+    grpc_backends = [b for b in backends if b.scheme == "grpc"]
+    if not grpc_backends:
+        raise BPFUnavailable("no grpc:// backends to trace", "pass --backend grpc://HOST:PORT or a [[backends]] grpc url")
+    kernel = H2Kernel.load(config.http2)
+    collector = Http2Collector(grpc_backends, kernel, config.http2)
+    try:
+        collector.refresh()
+    except Exception:
+        collector.close()
+        raise
+    return collector
