@@ -1,0 +1,167 @@
+"""A small sock_diag (NETLINK_SOCK_DIAG) client: TCP sockets per remote ip:port.
+
+This is what ``ss -tan state time-wait`` asks the kernel. The request is an
+``inet_diag_req_v2`` with a state mask and no extensions, so every reply is a
+bare ``inet_diag_msg`` (72 bytes) with no attributes; the parser still walks
+messages by ``nlmsg_len``. One dump per address family per tick, parsed with
+``struct.unpack_from`` on the receive buffer (30k sockets in a few ms; see
+docs/benchmarks.md, "tcp").
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+__all__ = ["DestinationSockets", "SockDiagError", "TCP_STATES", "dump_tcp", "format_endpoint", "iter_tcp"]
+
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+NLM_F_REQUEST = 0x1
+NLM_F_DUMP = 0x300
+NLMSG_ERROR = 2
+NLMSG_DONE = 3
+IPPROTO_TCP = 6
+
+#: include/net/tcp_states.h
+TCP_STATES = {
+    "ESTABLISHED": 1, "SYN_SENT": 2, "SYN_RECV": 3, "FIN_WAIT1": 4, "FIN_WAIT2": 5, "TIME_WAIT": 6,
+    "CLOSE": 7, "CLOSE_WAIT": 8, "LAST_ACK": 9, "LISTEN": 10, "CLOSING": 11, "NEW_SYN_RECV": 12,
+}
+TIME_WAIT = TCP_STATES["TIME_WAIT"]
+#: TCP_TIMEWAIT_LEN (include/net/tcp.h): how long a TIME_WAIT socket lives, 60 s.
+TIMEWAIT_LEN_MS = 60_000
+
+_NLMSGHDR = struct.Struct("=IHHII")
+_REQ = struct.Struct("=BBBBI48s")  # inet_diag_req_v2: family, protocol, ext, pad, states, sockid
+# inet_diag_msg after the nlmsghdr: family, state, timer, retrans, sport(be16), dport(be16),
+# src(16), dst(16), if, cookie[2], expires, rqueue, wqueue, uid, inode
+_MSG = struct.Struct("=BBBB2s2s16s16sIQIIIII")
+_MSG_LEN = _NLMSGHDR.size + _MSG.size
+
+
+class SockDiagError(OSError):
+    """The kernel refused the sock_diag dump (no NETLINK_SOCK_DIAG, no permission...)."""
+
+
+@dataclass
+class DestinationSockets:
+    """TCP sockets to one remote ip:port."""
+
+    timewait: int = 0
+    #: TIME_WAIT sockets younger than the entry window (from their remaining timer).
+    timewait_recent: int = 0
+    #: Sockets in any state other than TIME_WAIT and LISTEN, per local port in the ephemeral range.
+    other_ephemeral: int = 0
+    local_ports: set[int] = field(default_factory=set)
+
+
+def format_endpoint(family: int, addr: bytes, port: int) -> str:
+    """``127.0.0.1:8000`` or ``[::1]:8000``; v4-mapped IPv6 is shown as IPv4."""
+    if family == socket.AF_INET:
+        return f"{socket.inet_ntop(socket.AF_INET, addr[:4])}:{port}"
+    ip = ipaddress.IPv6Address(addr[:16])
+    if ip.ipv4_mapped is not None:
+        return f"{ip.ipv4_mapped}:{port}"
+    return f"[{ip.compressed}]:{port}"
+
+
+def _request(family: int, states: int, seq: int) -> bytes:
+    body = _REQ.pack(family, IPPROTO_TCP, 0, 0, states, b"\0" * 48)
+    return _NLMSGHDR.pack(_NLMSGHDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
+
+
+def _dump(family: int, states: int) -> Iterator[tuple[int, bytes, int, int, bytes, int]]:
+    """Yield ``(state, dst_addr, dport, sport, ..., expires_ms)`` per socket of one family."""
+    try:
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
+    except OSError as exc:
+        raise SockDiagError(exc.errno, f"cannot open NETLINK_SOCK_DIAG: {exc.strerror}") from None
+    with sock:
+        sock.settimeout(5.0)
+        seq = int.from_bytes(os.urandom(4), "little") or 1
+        sock.send(_request(family, states, seq))
+        unpack_hdr = _NLMSGHDR.unpack_from
+        unpack_msg = _MSG.unpack_from
+        while True:
+            try:
+                buf = sock.recv(1 << 20)
+            except TimeoutError:
+                raise SockDiagError(0, "sock_diag dump timed out") from None
+            offset, end = 0, len(buf)
+            while offset + _NLMSGHDR.size <= end:
+                length, kind, _flags, msg_seq, _pid = unpack_hdr(buf, offset)
+                if length < _NLMSGHDR.size:
+                    raise SockDiagError(0, f"malformed netlink message (length {length})")
+                if msg_seq == seq:
+                    if kind == NLMSG_DONE:
+                        return
+                    if kind == NLMSG_ERROR:
+                        errno = -struct.unpack_from("=i", buf, offset + _NLMSGHDR.size)[0]
+                        if errno:
+                            raise SockDiagError(errno, f"sock_diag: {os.strerror(errno)}")
+                        return
+                    if kind == SOCK_DIAG_BY_FAMILY and length >= _MSG_LEN:
+                        (fam, state, _t, _r, sport, dport, _src, dst, _if, _cookie,
+                         expires, _rq, _wq, _uid, _ino) = unpack_msg(buf, offset + _NLMSGHDR.size)
+                        yield (state, bytes(dst) if fam == socket.AF_INET6 else dst[:4],
+                               int.from_bytes(dport, "big"), int.from_bytes(sport, "big"), fam, expires)
+                offset += (length + 3) & ~3
+
+
+def iter_tcp(
+    states: Iterable[str], families: Iterable[int] = (socket.AF_INET, socket.AF_INET6)
+) -> Iterator[tuple[int, int, str]]:
+    """``(state, local_port, remote "ip:port")`` for every TCP socket in ``states``."""
+    mask = 0
+    for name in states:
+        mask |= 1 << TCP_STATES[name]
+    for family in families:
+        for state, dst, dport, sport, fam, _expires in _dump(family, mask):
+            yield state, sport, format_endpoint(fam, dst, dport)
+
+
+def dump_tcp(
+    states: Iterable[str] = ("TIME_WAIT",),
+    families: Iterable[int] = (socket.AF_INET, socket.AF_INET6),
+    ephemeral: range | None = None,
+    recent_ms: int = 10_000,
+) -> dict[str, DestinationSockets]:
+    """TCP sockets in ``states`` grouped by remote ``ip:port``.
+
+    ``ephemeral`` (local ports that count as client ports) enables
+    ``other_ephemeral``; ``recent_ms`` is the age below which a TIME_WAIT
+    socket counts in ``timewait_recent`` (its remaining timer is above
+    ``60 s - recent_ms``)."""
+    mask = 0
+    for name in states:
+        mask |= 1 << TCP_STATES[name]
+    young = TIMEWAIT_LEN_MS - recent_ms
+    raw: dict[tuple[int, bytes, int], DestinationSockets] = {}
+    for family in families:
+        for state, dst, dport, sport, fam, expires in _dump(family, mask):
+            key = (fam, dst, dport)
+            entry = raw.get(key)
+            if entry is None:
+                entry = raw[key] = DestinationSockets()
+            if state == TIME_WAIT:
+                entry.timewait += 1
+                if expires > young:
+                    entry.timewait_recent += 1
+            elif ephemeral is not None and sport in ephemeral:
+                entry.other_ephemeral += 1
+    out: dict[str, DestinationSockets] = {}
+    for (fam, dst, dport), entry in raw.items():
+        name = format_endpoint(fam, dst, dport)
+        merged = out.get(name)
+        if merged is None:
+            out[name] = entry
+        else:  # the same IPv4 peer seen natively and v4-mapped
+            merged.timewait += entry.timewait
+            merged.timewait_recent += entry.timewait_recent
+            merged.other_ephemeral += entry.other_ephemeral
+    return out

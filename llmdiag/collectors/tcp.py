@@ -1,0 +1,461 @@
+"""``tcp`` collector: kernel TCP health per backend listen port and per remote ``ip:port``.
+
+The BPF side is :file:`llmdiag/bpf/tcp_health.bpf.c` (structs in
+``tcp_health.h``): it aggregates in maps and this collector reads them once
+per tick; nothing is streamed per event. Two kinds of subject:
+
+* **server side**, a backend's local listen port: samples under
+  ``Scope.BACKEND`` (the backend's name);
+* **client side**, a remote ``ip:port`` that local clients (a gateway on this
+  host) connect to: samples under ``Scope.DESTINATION``.
+
+Signals (SPEC 3.2): ``tcp_send_bytes_total``, ``tcp_sends_total``,
+``tcp_sndbuf_full_total`` (sends that returned ``-EAGAIN`` plus timed
+blocking sends that waited at least ``send_block_seconds``),
+``tcp_retransmits_total``, ``tcp_resets_sent_total``,
+``tcp_resets_received_total``, ``tcp_connections_active``,
+``tcp_connect_latency_seconds`` (client side; p50/p99 over the window),
+``tcp_peer_closes_total``, ``tcp_active_closes_total`` (entries into
+TIME_WAIT), ``srtt_seconds`` (mean of the sampled ``tcp_probe`` srtt since the
+last tick, else the last sample). Extra: ``tcp_send_blocked_seconds_total``
+(time inside send syscalls of the timed backend pids, with ``send_timing``). Host:
+``tcp_mem_pressure_total{kind}`` (``sock_exceed_buf_limit``), and the BPF
+health counters ``bpf_map_full_total{program=tcp_health}``,
+``tcp_sock_common_mismatch_total``.
+
+Counters are ``_total`` since the program was loaded (cumulative map reads).
+``tcp_connections_active`` is the count from a sock_diag dump at start plus
+the BPF delta since: connections opened before the agent are counted.
+
+Attach points are chosen by feature probe: sends from ``sock_send_length``
+(it carries the socket and the result; ``tcp:tcp_sendmsg_locked`` carries no
+socket and so cannot be attributed), attached raw where the kernel allows it
+(no perf record per send), else as a perf tracepoint, else kprobe
+``tcp_sendmsg`` where kprobes exist. :meth:`TcpCollector.status` names the
+path taken. Send timing (``[tcp] send_timing``) is off by default: it puts a
+tracepoint on every send/write syscall of the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from llmdiag.bpf import features
+from llmdiag.bpf.loader import BPFUnavailable, Program
+from llmdiag.collectors.histogram import histogram_quantile
+from llmdiag.collectors.sockdiag import SockDiagError, format_endpoint, iter_tcp
+from llmdiag.config.tcp import TcpConfig
+from llmdiag.model import Backend, CollectorState, CollectorStatus, Distribution, Labelled, Sample, Scope
+
+__all__ = ["TcpCollector", "build_tcp_collector", "live_active_closes", "send_path_defines", "slot_bounds_us"]
+
+log = logging.getLogger("llmdiag.collectors.tcp")
+
+ROLE_SERVER, ROLE_CLIENT = 1, 2
+SIDE_SERVER, SIDE_CLIENT = 1, 2
+# enum tcp_global in tcp_health.h
+G_EXCEED_BUF_SEND, G_EXCEED_BUF_RECV, G_LAZY_FILLS, G_SOCK_COMMON_CHECKS, G_SOCK_COMMON_MISMATCH = range(5)
+
+_EWMA_ALPHA = 0.2
+_PID_REFRESH_SECONDS = 30.0
+
+ProgramFactory = Callable[[str, Mapping[str, object]], Program]
+
+_LIVE: weakref.WeakSet[TcpCollector] = weakref.WeakSet()
+
+
+def live_active_closes() -> dict[str, int] | None:
+    """Cumulative active closes per client-side destination from a running tcp
+    collector (the TIME_WAIT entry rate source), or ``None`` when none runs."""
+    for collector in list(_LIVE):
+        closes = collector.active_closes_by_destination()
+        if closes is not None:
+            return closes
+    return None
+
+
+def slot_bounds_us(slot: int) -> tuple[float, float]:
+    """Bounds in microseconds of a connect latency histogram slot (``latency_slot()`` in the C file)."""
+    if slot < 4:
+        return float(slot), float(slot + 1)
+    exp, sub = divmod(slot, 4)
+    return float((4 + sub) << (exp - 2)), float((5 + sub) << (exp - 2))
+
+
+def _tracepoint_format(category: str, event: str) -> str:
+    root = features.tracefs_root()
+    if root is None:
+        return ""
+    try:
+        return (root / "events" / category / event / "format").read_text()
+    except OSError:
+        return ""
+
+
+def send_path_defines() -> tuple[dict[str, int], str]:
+    """Defines chosen by feature probe, and a description of the send path."""
+    defines = {
+        "HAVE_RETRANSMIT": int(features.tracepoint_exists("tcp", "tcp_retransmit_skb")),
+        "HAVE_SEND_RESET": int(features.tracepoint_exists("tcp", "tcp_send_reset")),
+        "HAVE_RECEIVE_RESET": int(features.tracepoint_exists("tcp", "tcp_receive_reset")),
+        "HAVE_TCP_PROBE": int(features.tracepoint_exists("tcp", "tcp_probe")),
+        "HAVE_EXCEED_BUF": int(features.tracepoint_exists("sock", "sock_exceed_buf_limit")),
+    }
+    if defines["HAVE_SEND_RESET"] and "enum sk_rst_reason" in _tracepoint_format("tcp", "tcp_send_reset"):
+        headers = Path("/lib/modules") / __import__("os").uname().release / "build/include/net/rstreason.h"
+        defines["DECLARE_SK_RST_REASON"] = int(not headers.exists())
+    if features.tracepoint_exists("sock", "sock_send_length"):
+        if _raw_tracepoints_supported():
+            defines["SEND_PATH"] = 3
+            return defines, "raw_tracepoint:sock_send_length"
+        defines["SEND_PATH"] = 1
+        return defines, "tracepoint:sock:sock_send_length"
+    if features.kprobes_supported():
+        defines["SEND_PATH"] = 2
+        return defines, "kprobe:tcp_sendmsg"
+    defines["SEND_PATH"] = 0
+    return defines, "none"
+
+
+def _raw_tracepoints_supported() -> bool:
+    try:
+        import warnings  # noqa: PLC0415
+
+        from bcc import BPF  # noqa: PLC0415 - lazy: bcc is optional
+
+        with warnings.catch_warnings():  # bcc passes str where it wants bytes
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return bool(BPF.support_raw_tracepoint())
+    except Exception:  # noqa: BLE001 - no bcc: the load fails later with the real reason
+        return False
+
+
+def _calibrate() -> None:
+    """One loopback connection per address family right after load, so that
+    inet_sock_set_state teaches the program the skc_prot of TCP sockets before
+    the first send on a connection opened before the agent (see tcp_prots)."""
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        try:
+            with socket.socket(family) as srv:
+                srv.bind((host, 0))
+                srv.listen(1)
+                with socket.create_connection(srv.getsockname()[:2], timeout=1):
+                    conn, _ = srv.accept()
+                    conn.close()
+        except OSError:
+            continue  # no IPv6 on this host: IPv6 sockets are learned from real traffic
+
+
+def _find_listener_pids(ports: set[int]) -> set[int]:
+    """Processes listening on ``ports`` (their sends are the ones worth timing)."""
+    if not ports:
+        return set()
+    try:
+        import psutil  # noqa: PLC0415 - only needed when send timing is on
+    except ImportError:
+        return set()
+    pids: set[int] = set()
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port in ports and conn.pid:
+                pids.add(conn.pid)
+    except (psutil.Error, OSError) as exc:
+        log.warning("cannot list listening sockets to find backend pids: %s", exc)
+    return pids
+
+
+class TcpCollector:
+    """``tcp`` collector (see the module docstring). ``program_factory`` is
+    injectable so tests can deny the load; ``clock`` feeds the windows."""
+
+    name = "tcp"
+
+    def __init__(
+        self,
+        config: TcpConfig | None = None,
+        backends: Iterable[Backend] = (),
+        *,
+        program_factory: ProgramFactory | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        pid_finder: Callable[[set[int]], set[int]] = _find_listener_pids,
+    ) -> None:
+        self.config = config or TcpConfig()
+        self.backends = list(backends)
+        self.clock = clock
+        self.pid_finder = pid_finder
+        self.server_ports: dict[int, list[str]] = {}
+        for backend in self.backends:
+            self.server_ports.setdefault(backend.port, []).append(backend.name)
+        for port in self.config.server_ports:
+            self.server_ports.setdefault(port, [])
+        self.client_ports = {b.port for b in self.backends} | set(self.config.client_ports)
+        self.program: Program | None = None
+        self.unavailable: BPFUnavailable | None = None
+        self.send_path = "none"
+        self._problems: list[str] = []  # found at start, kept
+        self._tick_problems: list[str] = []  # found by the last collect()
+        self._last_ok_ts: float | None = None
+        self._baseline: dict[tuple[int, str], int] = {}
+        self._hist_history: deque[tuple[float, dict[tuple[int, str], dict[int, int]]]] = deque()
+        self._ewma: dict[tuple[int, str], float] = {}
+        self._prev_connect: dict[tuple[int, str], tuple[int, int]] = {}
+        self._prev_srtt: dict[tuple[int, str], tuple[int, int]] = {}
+        self._last_closes: dict[str, int] | None = None
+        self._timed_pids: set[int] = set()
+        self._pids_refreshed = -math.inf
+        self._start(program_factory or Program.load)
+
+    # -- start ------------------------------------------------------------------
+    def _start(self, factory: ProgramFactory) -> None:
+        defines, self.send_path = send_path_defines()
+        defines.update({
+            "SEND_TIMING": int(self.config.send_timing),
+            "SEND_BLOCK_NS": int(self.config.send_block_seconds * 1e9),
+            "SRTT_SAMPLE_MASK": self.config.srtt_sample_every - 1,
+            "MAX_SOCKS": self.config.max_sockets,
+            "MAX_ENDPOINTS": self.config.max_endpoints,
+            "MAX_PORTS": 1024,
+        })
+        self.defines = defines
+        try:
+            program = factory("tcp_health", defines)
+            if defines["SEND_PATH"] == 2:  # kprobes are not auto-attached: the C names avoid bcc's kprobe__ prefix
+                program.attach_kprobe("tcp_sendmsg", "on_tcp_sendmsg")
+                program.attach_kretprobe("tcp_sendmsg", "on_tcp_sendmsg_ret")
+            ports = program.table("ports")
+            for port in set(self.server_ports) | self.client_ports:
+                role = (ROLE_SERVER if port in self.server_ports else 0) | (ROLE_CLIENT if port in self.client_ports else 0)
+                ports[ports.Key(port)] = ports.Leaf(role)
+        except BPFUnavailable as exc:
+            self.unavailable = exc
+            log.warning("tcp collector unavailable: %s", exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a bcc table error is a load failure too
+            self.unavailable = BPFUnavailable(f"setting up tcp_health maps failed: {exc}", "see `llmdiag doctor`")
+            return
+        self.program = program
+        _calibrate()
+        self._hist_history.append((self.clock(), {}))  # the window starts empty at load
+        self._baseline = self._established_now()
+        self._refresh_pids(self.clock())
+        _LIVE.add(self)
+
+    def _established_now(self) -> dict[tuple[int, str], int]:
+        """ESTABLISHED connections per subject key at start (sock_diag), the base of the active gauge."""
+        counts: dict[tuple[int, str], int] = {}
+        try:
+            for _state, lport, remote in iter_tcp(("ESTABLISHED",)):
+                if lport in self.server_ports:
+                    key = (SIDE_SERVER, str(lport))
+                else:
+                    rport = int(remote.rsplit(":", 1)[1])
+                    if rport not in self.client_ports:
+                        continue
+                    key = (SIDE_CLIENT, remote)
+                counts[key] = counts.get(key, 0) + 1
+        except (SockDiagError, OSError) as exc:
+            self._problems.append(f"no start count of open connections: {exc}")
+        return counts
+
+    def _refresh_pids(self, now: float) -> None:
+        if self.program is None or not self.config.send_timing:
+            return
+        if now - self._pids_refreshed < _PID_REFRESH_SECONDS:
+            return
+        self._pids_refreshed = now
+        wanted = {b.pid for b in self.backends if b.pid} | set(self.config.timed_pids)
+        wanted |= self.pid_finder(set(self.server_ports))
+        if wanted == self._timed_pids:
+            return
+        table = self.program.table("timed_pids")
+        for pid in self._timed_pids - wanted:
+            try:
+                del table[table.Key(pid)]
+            except KeyError:
+                pass
+        for pid in wanted - self._timed_pids:
+            table[table.Key(pid)] = table.Leaf(1)
+        self._timed_pids = wanted
+
+    # -- reading ------------------------------------------------------------------
+    @staticmethod
+    def _subject_key(key: Mapping[str, Any]) -> tuple[int, str]:
+        if key["side"] == SIDE_SERVER:
+            return SIDE_SERVER, str(key["port"])
+        family = socket.AF_INET6 if key["family"] == 10 else socket.AF_INET
+        return SIDE_CLIENT, format_endpoint(family, key["addr"], key["port"])
+
+    def _read_stats(self) -> dict[tuple[int, str], dict[str, int]]:
+        assert self.program is not None
+        merged: dict[tuple[int, str], dict[str, int]] = {}
+        for key, value in self.program.read_hash("stats"):
+            subject = self._subject_key(key)
+            slot = merged.setdefault(subject, dict.fromkeys(value, 0))
+            for field, number in value.items():
+                slot[field] += number
+        return merged
+
+    def _read_hist(self) -> dict[tuple[int, str], dict[int, int]]:
+        assert self.program is not None
+        out: dict[tuple[int, str], dict[int, int]] = {}
+        for key, count in self.program.read_hash("connect_hist"):
+            buckets = out.setdefault(self._subject_key(key["ep"]), {})
+            buckets[key["slot"]] = buckets.get(key["slot"], 0) + count
+        return out
+
+    def active_closes_by_destination(self) -> dict[str, int] | None:
+        """Cumulative active closes per client-side ``ip:port`` (as of the last collect)."""
+        if self.program is None or self.program.closed:
+            return None
+        return dict(self._last_closes) if self._last_closes is not None else None
+
+    def _connect_distribution(self, subject: tuple[int, str], now: float, stats: Mapping[str, int]) -> Distribution:
+        current = self._hist_history[-1][1].get(subject, {})
+        oldest = self._hist_history[0][1].get(subject, {})
+        window = {slot: count - oldest.get(slot, 0) for slot, count in current.items() if count - oldest.get(slot, 0) > 0}
+        total = sum(window.values())
+        connects, connect_ns = stats.get("connects", 0), stats.get("connect_ns", 0)
+        prev = self._prev_connect.get(subject, (0, 0))
+        self._prev_connect[subject] = (connects, connect_ns)
+        if connects > prev[0]:
+            mean = (connect_ns - prev[1]) / (connects - prev[0]) / 1e9
+            old = self._ewma.get(subject)
+            self._ewma[subject] = mean if old is None else _EWMA_ALPHA * mean + (1 - _EWMA_ALPHA) * old
+        if not total:
+            return Distribution(None, None, self._ewma.get(subject), 0)
+        buckets: list[tuple[float, float]] = []
+        running = 0
+        for slot in sorted(window):
+            running += window[slot]
+            buckets.append((slot_bounds_us(slot)[1] / 1e6, float(running)))
+        buckets.append((math.inf, float(running)))
+        return Distribution(
+            histogram_quantile(0.5, buckets), histogram_quantile(0.99, buckets), self._ewma.get(subject), total
+        )
+
+    def collect(self, now: float) -> list[Sample]:
+        if self.program is None:
+            return []
+        self._tick_problems = []
+        tick = self.clock()
+        self._refresh_pids(tick)
+        stats = self._read_stats()
+        self._hist_history.append((tick, self._read_hist()))
+        while len(self._hist_history) > 2 and tick - self._hist_history[1][0] >= self.config.connect_latency_window_seconds:
+            self._hist_history.popleft()
+        self._last_closes = {
+            subject: values["active_closes"] for (side, subject), values in stats.items() if side == SIDE_CLIENT
+        }
+        # Backends' server ports are watched: a port with no events yet has real zeros.
+        for port in self.server_ports:
+            stats.setdefault((SIDE_SERVER, str(port)), {})
+        for key in self._baseline:
+            stats.setdefault(key, {})
+
+        samples: list[Sample] = []
+        for subject, values in sorted(stats.items()):
+            signals = self._signals(subject, values, now)
+            for scope, name in self._subjects(subject):
+                samples.extend(Sample(scope, name, signal, value) for signal, value in signals.items())
+        samples.extend(self._host_samples())
+        self._last_ok_ts = now
+        return samples
+
+    def _subjects(self, subject: tuple[int, str]) -> list[tuple[Scope, str]]:
+        side, name = subject
+        if side == SIDE_CLIENT:
+            return [(Scope.DESTINATION, name)]
+        names = self.server_ports.get(int(name), [])
+        return [(Scope.BACKEND, b) for b in names] or [(Scope.DESTINATION, f"*:{name}")]
+
+    def _signals(self, subject: tuple[int, str], v: Mapping[str, int], now: float) -> dict[str, Any]:
+        get = v.get
+        signals: dict[str, Any] = {
+            "tcp_send_bytes_total": get("send_bytes", 0),
+            "tcp_sends_total": get("sends", 0),
+            "tcp_sndbuf_full_total": get("send_eagain", 0) + get("send_blocked", 0),
+            "tcp_retransmits_total": get("retransmits", 0),
+            "tcp_resets_sent_total": get("resets_sent", 0),
+            "tcp_resets_received_total": get("resets_received", 0),
+            "tcp_connections_active": max(0, self._baseline.get(subject, 0) + get("established", 0)),
+            "tcp_peer_closes_total": get("peer_closes", 0),
+            "tcp_active_closes_total": get("active_closes", 0),
+        }
+        if self.send_path == "none":
+            for name in ("tcp_send_bytes_total", "tcp_sends_total", "tcp_sndbuf_full_total"):
+                signals[name] = None  # NA: no attach point for sends on this kernel
+        if self.config.send_timing:
+            signals["tcp_send_blocked_seconds_total"] = get("send_block_ns", 0) / 1e9
+        if subject[0] == SIDE_CLIENT:
+            signals["tcp_connect_latency_seconds"] = self._connect_distribution(subject, now, v)
+        srtt_sum, srtt_n = get("srtt_us_sum", 0), get("srtt_samples", 0)
+        prev_sum, prev_n = self._prev_srtt.get(subject, (0, 0))
+        self._prev_srtt[subject] = (srtt_sum, srtt_n)
+        if srtt_n > prev_n:
+            signals["srtt_seconds"] = (srtt_sum - prev_sum) / (srtt_n - prev_n) / 1e6
+        elif srtt_n:
+            signals["srtt_seconds"] = get("srtt_us_last", 0) / 1e6
+        return signals
+
+    def _host_samples(self) -> list[Sample]:
+        assert self.program is not None
+        out: list[Sample] = []
+        try:
+            g = self.program.read_array("globals")
+        except Exception as exc:  # noqa: BLE001
+            self._tick_problems.append(f"cannot read globals: {exc}")
+            return out
+        pressure = Labelled()
+        pressure.add(g[G_EXCEED_BUF_SEND], kind="send")
+        pressure.add(g[G_EXCEED_BUF_RECV], kind="recv")
+        out.append(Sample(Scope.HOST, "", "tcp_mem_pressure_total", pressure))
+        out.append(Sample(Scope.HOST, "", "tcp_sock_common_mismatch_total", g[G_SOCK_COMMON_MISMATCH]))
+        errors = self.program.errors()
+        full = Labelled()
+        full.add(errors.get("map_full", 0), program="tcp_health")
+        out.append(Sample(Scope.HOST, "", "bpf_map_full_total", full))
+        return out
+
+    def globals(self) -> dict[str, int]:
+        """The program's global counters by name (lazy fills, sock_common checks...)."""
+        if self.program is None:
+            return {}
+        g = self.program.read_array("globals")
+        return {"exceed_buf_send": g[G_EXCEED_BUF_SEND], "exceed_buf_recv": g[G_EXCEED_BUF_RECV],
+                "lazy_fills": g[G_LAZY_FILLS], "sock_common_checks": g[G_SOCK_COMMON_CHECKS],
+                "sock_common_mismatch": g[G_SOCK_COMMON_MISMATCH]}
+
+    # -- contract -------------------------------------------------------------------
+    def status(self) -> CollectorStatus:
+        if self.unavailable is not None:
+            reason = self.unavailable.reason + (f" (hint: {self.unavailable.hint})" if self.unavailable.hint else "")
+            return CollectorStatus(CollectorState.UNAVAILABLE, reason, None)
+        problems = self._problems + self._tick_problems
+        if self.send_path == "none":
+            problems.append("no attach point for sends (no sock:sock_send_length, no kprobes): send signals are NA")
+        if self.program is not None and not self.program.closed:
+            errors = self.program.errors()
+            if errors.get("map_full"):
+                problems.append(f"{errors['map_full']} BPF map updates failed (map full): raise tcp.max_sockets")
+        if problems:
+            return CollectorStatus(CollectorState.DEGRADED, "; ".join(problems), self._last_ok_ts)
+        return CollectorStatus(CollectorState.OK, f"sends via {self.send_path}", self._last_ok_ts)
+
+    def close(self) -> None:
+        _LIVE.discard(self)
+        if self.program is not None:
+            self.program.close()
+
+
+def build_tcp_collector(config: Any, backends: list[Backend]) -> TcpCollector:
+    """Factory for the agent (``llmdiag.cli.wiring``): ``config`` is the root Config.
+    Check :attr:`TcpCollector.unavailable` for a failed BPF load."""
+    return TcpCollector(config.tcp, backends)

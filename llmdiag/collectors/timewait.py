@@ -1,0 +1,226 @@
+"""TIME_WAIT build-up and ephemeral port headroom, per destination ``ip:port``.
+
+Sources (SPEC section 4, "timewait"):
+
+* host total: ``/proc/net/sockstat`` (``TCP: ... tw N``), plus ``inuse``;
+* per destination: a sock_diag dump of TCP sockets (what ``ss -tan state
+  time-wait`` reads), grouped by remote ``ip:port``;
+* headroom: ``ip_local_port_range`` minus ``ip_local_reserved_ports``. A
+  client connecting to one ``ip:port`` from one source address has exactly
+  that many 4-tuples, so the ports it holds towards that destination (any
+  state but LISTEN, local port in the range) are gone, TIME_WAIT included,
+  unless ``tcp_tw_reuse`` applies (1, or 2 for loopback destinations): then
+  TIME_WAIT sockets older than 1 s can be reused by ``connect()`` and only
+  the ones younger than that count;
+* entry rate: the active closes that the tcp collector counts in BPF for that
+  destination (exact) when it runs; otherwise from the kernel's own timers:
+  a TIME_WAIT socket lives ``TCP_TIMEWAIT_LEN`` = 60 s, so the ones with more
+  than ``60 s - W`` left entered within the last ``W`` seconds (one read, no
+  history needed, unlike count deltas, which expiries hide);
+* ``port_exhaustion_eta_seconds`` = ports available / entry rate (absent while
+  the rate is zero: nothing is running out).
+
+Works without BPF and without root for the ``/proc`` part; sock_diag needs no
+privilege for TCP dumps either.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from llmdiag.collectors import procnet
+from llmdiag.collectors.sockdiag import SockDiagError, dump_tcp
+from llmdiag.config.tcp import TimewaitConfig
+from llmdiag.model import Backend, CollectorState, CollectorStatus, Sample, Scope
+
+__all__ = ["ActiveCloseSource", "TimewaitCollector", "build_timewait_collector"]
+
+log = logging.getLogger("llmdiag.collectors.timewait")
+
+#: Cumulative active closes (entries into TIME_WAIT) per destination ``ip:port``, or ``None`` when unknown.
+ActiveCloseSource = Callable[[], Mapping[str, int] | None]
+
+_HELD_STATES = ("ESTABLISHED", "SYN_SENT", "FIN_WAIT1", "FIN_WAIT2", "TIME_WAIT", "CLOSE_WAIT", "LAST_ACK", "CLOSING")
+#: tcp_twsk_unique(): a TIME_WAIT socket is reusable once its last timestamp is > 1 s old.
+_TW_REUSE_AGE_SECONDS = 1.0
+
+
+def _is_loopback(destination: str) -> bool:
+    host = destination.rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _backend_destination(backend: Backend) -> str:
+    host = backend.host
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        try:  # a name: resolve once, at start (the kernel reports addresses)
+            host = socket.getaddrinfo(host, backend.port, type=socket.SOCK_STREAM)[0][4][0]
+            ip = ipaddress.ip_address(host)
+        except (OSError, ValueError, IndexError):
+            return f"{host}:{backend.port}"
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return f"{ip.ipv4_mapped}:{backend.port}"
+        return f"[{ip.compressed}]:{backend.port}"
+    return f"{ip}:{backend.port}"
+
+
+class TimewaitCollector:
+    """``timewait`` collector: host and per-destination TIME_WAIT signals."""
+
+    name = "timewait"
+
+    def __init__(
+        self,
+        config: TimewaitConfig | None = None,
+        backends: Iterable[Backend] = (),
+        proc_root: str | Path = "/proc",
+        clock: Callable[[], float] = time.monotonic,
+        diag: Callable[..., Mapping[str, object]] = dump_tcp,
+        entry_source: ActiveCloseSource | None = None,
+    ) -> None:
+        self.config = config or TimewaitConfig()
+        self.proc_root = Path(proc_root)
+        self.clock = clock
+        self.diag = diag
+        self.entry_source = entry_source
+        self.backend_destinations = {_backend_destination(b) for b in backends}
+        self._history: deque[tuple[float, dict[str, int]]] = deque()
+        self._problems: list[str] = []
+        self._last_ok_ts: float | None = None
+        self.entry_rate_source = "timers"
+
+    def set_entry_source(self, source: ActiveCloseSource | None) -> None:
+        self.entry_source = source
+
+    # -- collection ------------------------------------------------------------
+    def collect(self, now: float) -> list[Sample]:
+        self._problems = []
+        samples: list[Sample] = []
+        try:
+            tcp = procnet.read_sockstat(self.proc_root)["TCP"]
+        except procnet.ProcNetError as exc:
+            self._problems.append(str(exc))
+        else:
+            for key, name in (("tw", "sockstat_tcp_tw"), ("inuse", "sockstat_tcp_inuse")):
+                if key in tcp:
+                    samples.append(Sample(Scope.HOST, "", name, tcp[key]))
+            if "tw" in tcp:
+                samples.append(Sample(Scope.HOST, "", "timewait_sockets", tcp["tw"]))
+
+        port_range, usable, reuse = self._headroom()
+        window = min(self.config.rate_window_seconds, 60.0)
+        try:
+            per_dest = self.diag(
+                states=_HELD_STATES,
+                ephemeral=range(port_range.low, port_range.high + 1) if port_range else None,
+                recent_ms=int(window * 1000),
+            )
+        except (SockDiagError, OSError) as exc:
+            self._problems.append(f"sock_diag dump failed: {exc}")
+            per_dest = None
+        if per_dest is not None:
+            samples.extend(self._destination_samples(per_dest, usable, reuse, window))
+        if not self._problems:
+            self._last_ok_ts = now
+        return samples
+
+    def _headroom(self) -> tuple[procnet.PortRange | None, int | None, int | None]:
+        try:
+            port_range = procnet.read_port_range(self.proc_root)
+        except procnet.ProcNetError as exc:
+            self._problems.append(str(exc))
+            return None, None, None
+        try:
+            reserved = procnet.read_reserved_ports(self.proc_root)
+        except procnet.ProcNetError as exc:
+            self._problems.append(str(exc))
+            reserved = frozenset()
+        usable = port_range.size - sum(1 for p in reserved if p in port_range)
+        try:
+            reuse: int | None = procnet.read_tw_reuse(self.proc_root)
+        except procnet.ProcNetError as exc:
+            self._problems.append(str(exc))
+            reuse = None
+        return port_range, usable, reuse
+
+    def _bpf_rates(self, now: float) -> dict[str, float] | None:
+        """Entries per second per destination from the tcp collector's cumulative
+        active-close counters, over the configured window (``None``: no BPF source)."""
+        totals = self.entry_source() if self.entry_source is not None else None
+        if totals is None:
+            self._history.clear()
+            return None
+        tick = self.clock()
+        self._history.append((tick, dict(totals)))
+        while len(self._history) > 2 and tick - self._history[1][0] >= self.config.rate_window_seconds:
+            self._history.popleft()
+        if len(self._history) < 2:
+            return None  # one reading gives no rate yet: fall back to the timers this tick
+        (t0, first), (t1, last) = self._history[0], self._history[-1]
+        elapsed = t1 - t0
+        if elapsed <= 0:
+            return None
+        return {dest: max(0, count - first.get(dest, 0)) / elapsed for dest, count in last.items()}
+
+    def _destination_samples(
+        self, per_dest: Mapping[str, object], usable: int | None, reuse: int | None, window: float
+    ) -> list[Sample]:
+        bpf_rates = self._bpf_rates(self.clock())
+        self.entry_rate_source = "bpf" if bpf_rates is not None else "timers"
+        ranked = sorted(
+            (d for d, e in per_dest.items() if e.timewait >= max(self.config.min_sockets, 1)),  # type: ignore[attr-defined]
+            key=lambda d: -per_dest[d].timewait,  # type: ignore[attr-defined]
+        )
+        chosen = list(self.backend_destinations) + [d for d in ranked if d not in self.backend_destinations]
+        chosen = chosen[: max(self.config.max_destinations, len(self.backend_destinations))]
+        samples: list[Sample] = []
+        for dest in chosen:
+            entry = per_dest.get(dest)
+            tw = entry.timewait if entry is not None else 0  # type: ignore[attr-defined]
+            recent = entry.timewait_recent if entry is not None else 0  # type: ignore[attr-defined]
+            other = entry.other_ephemeral if entry is not None else 0  # type: ignore[attr-defined]
+            if bpf_rates is not None:
+                rate = bpf_rates.get(dest, 0.0)
+            else:
+                rate = recent / window
+            samples.append(Sample(Scope.DESTINATION, dest, "timewait_sockets", tw))
+            samples.append(Sample(Scope.DESTINATION, dest, "timewait_entry_rate", rate))
+            if usable is None:
+                continue
+            reusable = reuse == 1 or (reuse == 2 and _is_loopback(dest))
+            held_tw = min(tw, int(rate * _TW_REUSE_AGE_SECONDS + 0.999)) if reusable else tw
+            available = max(0, usable - other - held_tw)
+            samples.append(Sample(Scope.DESTINATION, dest, "ephemeral_ports_available", available))
+            if rate > 0:
+                samples.append(Sample(Scope.DESTINATION, dest, "port_exhaustion_eta_seconds", available / rate))
+        return samples
+
+    # -- contract ---------------------------------------------------------------
+    def status(self) -> CollectorStatus:
+        if self._problems:
+            return CollectorStatus(CollectorState.DEGRADED, "; ".join(self._problems), self._last_ok_ts)
+        return CollectorStatus(CollectorState.OK, None, self._last_ok_ts)
+
+    def close(self) -> None:
+        self._history.clear()
+
+
+def build_timewait_collector(config: Any, backends: list[Backend]) -> TimewaitCollector:
+    """Factory for the agent: entry rates come from a running tcp collector when there is one."""
+    from llmdiag.collectors.tcp import live_active_closes  # noqa: PLC0415 - bcc stays lazy either way
+
+    proc_root = getattr(getattr(config, "proc", None), "proc_root", "/proc")
+    return TimewaitCollector(config.timewait, backends, proc_root=proc_root, entry_source=live_active_closes)
