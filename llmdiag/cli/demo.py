@@ -37,7 +37,7 @@ DEMO_COLLECTORS = ("engine", "proc", "tcp", "timewait")
 
 def _fmt(value: Any, spec: str = ".2f", unit: str = "") -> str:
     if isinstance(value, Distribution):
-        value = value.p99
+        value = value.ewma
     if value is None or not isinstance(value, (int, float)):
         return "-"
     return f"{value:{spec}}{unit}"
@@ -49,7 +49,7 @@ def _table(snap: Snapshot, analyzer: Analyzer, balancer: Balancer, elapsed: floa
         open_by_backend.setdefault(d.backend, []).append(f"{d.kind} ({d.severity.value})")
     states = {s.name: s for s in balancer.snapshot_states()}
     table = Table(title=f"llmdiag demo: {elapsed:4.0f}s, {fleet.stats.sent} requests sent", expand=True)
-    for col in ("backend", "/health", "waiting", "running", "KV", "TTFT p99", "penalty", "score", "weight", "diagnoses"):
+    for col in ("backend", "/health", "waiting", "running", "KV", "TTFT ewma", "penalty", "score", "weight", "diagnoses"):
         table.add_column(col, overflow="fold")
     for name in sorted(snap.backends):
         s = snap.backends[name]

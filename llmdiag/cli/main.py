@@ -21,6 +21,11 @@ from llmdiag.config import ConfigError, load_config
 COMMAND_MODULES = (
     "llmdiag.cli.doctor",
     "llmdiag.cli.collect",
+    "llmdiag.cli.diagnose",
+    "llmdiag.cli.scrape",
+    "llmdiag.cli.bench",
+    "llmdiag.cli.fake_engine",
+    "llmdiag.cli.demo",
 )
 
 

@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from llmdiag.config.agent import AgentConfig, BackendEntry
+from llmdiag.config.analyzers import DiagnosisConfig
+from llmdiag.config.balancer import BalancerConfig
+from llmdiag.config.engine import EngineConfig
+from llmdiag.config.cuda import CudaConfig
+from llmdiag.config.gpu import GpuConfig, ProcConfig
+from llmdiag.config.http2 import Http2Config
 from llmdiag.config.loader import ConfigError, build, to_data
+from llmdiag.config.tcp import TcpConfig, TimewaitConfig
 from llmdiag.model import Backend
 
 __all__ = ["AgentConfig", "BackendEntry", "Config", "ConfigError", "load_config", "to_data"]
@@ -24,6 +31,15 @@ __all__ = ["AgentConfig", "BackendEntry", "Config", "ConfigError", "load_config"
 @dataclass(frozen=True)
 class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
+    balancer: BalancerConfig = field(default_factory=BalancerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    diagnosis: DiagnosisConfig = field(default_factory=DiagnosisConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    proc: ProcConfig = field(default_factory=ProcConfig)
+    cuda: CudaConfig = field(default_factory=CudaConfig)
+    tcp: TcpConfig = field(default_factory=TcpConfig)
+    timewait: TimewaitConfig = field(default_factory=TimewaitConfig)
+    http2: Http2Config = field(default_factory=Http2Config)
     backends: tuple[BackendEntry, ...] = ()
 
     def __post_init__(self) -> None:
