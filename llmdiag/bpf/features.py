@@ -30,6 +30,7 @@ __all__ = [
     "bpf_syscall_available",
     "btf_available",
     "capabilities",
+    "captured_stderr",
     "ensure_tracefs",
     "fentry_supported",
     "kernel_headers",
@@ -198,14 +199,16 @@ def capabilities(proc_root: str | Path = "/proc", pid: str = "self") -> dict[str
     return {name: bool(cap_eff >> bit & 1) for name, bit in _CAPS.items()}
 
 
-class _Captured:
+class Captured:
     text = ""
 
 
 @contextlib.contextmanager
-def _captured_stderr() -> Iterator[_Captured]:
-    """Capture what C libraries (libbpf, LLVM) write to fd 2 during a probe."""
-    captured = _Captured()
+def captured_stderr() -> Iterator[Captured]:
+    """Capture what C libraries (bcc, LLVM, libbpf) write to fd 2: compile and verifier errors.
+
+    Used by the probes here and by :mod:`llmdiag.bpf.loader` to put the real error into a reason."""
+    captured = Captured()
     with tempfile.TemporaryFile(mode="w+b") as tmp:
         sys.stderr.flush()
         saved = os.dup(2)
@@ -233,7 +236,7 @@ def fentry_supported() -> Probe:
             return Probe(False, "kernel has no fentry/kfunc support")
     except Exception as exc:  # noqa: BLE001 - bcc raises plain Exception
         return Probe(False, f"support_kfunc() failed: {exc}")
-    with _captured_stderr() as captured:
+    with captured_stderr() as captured:
         try:
             prog = BPF(text=_FENTRY_PROBE)
         except Exception as exc:  # noqa: BLE001

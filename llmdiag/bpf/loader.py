@@ -36,10 +36,8 @@ import contextlib
 import logging
 import os
 import re
-import sys
-import tempfile
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,27 +161,6 @@ def check_environment() -> None:
         raise BPFUnavailable(f"tracefs unavailable: {what}", "mount -t tracefs tracefs /sys/kernel/tracing")
 
 
-class _Captured:
-    text = ""
-
-
-@contextlib.contextmanager
-def _captured_stderr() -> Iterator[_Captured]:
-    """bcc/LLVM/libbpf write compile and verifier errors to fd 2: keep them for the reason."""
-    captured = _Captured()
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield captured
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            captured.text = tmp.read().decode(errors="replace")
-
-
 def _first_error_lines(text: str, limit: int = 6) -> str:
     keep = [ln.strip() for ln in text.splitlines() if "error" in ln.lower() or "failed" in ln.lower()]
     return " | ".join(keep[:limit]) or " | ".join(text.strip().splitlines()[-limit:])
@@ -249,7 +226,7 @@ class Program:
             check_environment()
         from bcc import BPF  # noqa: PLC0415 - lazy: bcc is optional
 
-        with _captured_stderr() as captured:
+        with features.captured_stderr() as captured:
             try:
                 bpf = BPF(src_file=str(path).encode(), cflags=flags)
             except Exception as exc:  # noqa: BLE001 - bcc raises bare Exception for compile/load
@@ -268,7 +245,7 @@ class Program:
 
     # -- attaching ------------------------------------------------------------
     def _attach(self, what: str, fn: Callable[[], Any]) -> None:
-        with _captured_stderr() as captured:
+        with features.captured_stderr() as captured:
             try:
                 fn()
             except Exception as exc:  # noqa: BLE001

@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["AGGREGATION", "DIALECTS", "Dialect", "Kind", "Rule", "canonical_name", "detect_dialect"]
+__all__ = ["AGGREGATION", "ALLOCATOR_RULES", "DIALECTS", "Dialect", "Kind", "Rule", "canonical_name", "detect_dialect"]
 
 
 def canonical_name(name: str) -> str:
@@ -110,9 +110,30 @@ AGGREGATION: dict[str, str] = {
     "itl_seconds": "distribution",
     "e2e_seconds": "distribution",
     "queue_time_seconds": "distribution",
+    "allocator_reserved_bytes": "sum",
+    "allocator_allocated_bytes": "sum",
+    "allocator_inactive_split_bytes": "sum",
+    "allocator_alloc_retries_total": "sum",
+    "allocator_ooms_total": "sum",
+    "allocator_fragmentation_ratio": "max",
 }
 
 G, C, LC, LG, H = Kind.GAUGE, Kind.COUNTER, Kind.LABELLED_COUNTER, Kind.LABELLED_GAUGE, Kind.HISTOGRAM
+
+#: The optional in-process allocator exporter (llmdiag.collectors.allocator_exporter), registered
+#: on the engine's own registry, so any dialect's scrape may carry it. Its series have no
+#: data-parallel engine label: they land on the default engine and are summed over devices.
+#: ``allocator_fragmentation_ratio`` = inactive_split / reserved is the only honest
+#: fragmentation measure (NVML cannot see inside the caching allocator).
+ALLOCATOR_RULES: tuple[Rule, ...] = (
+    Rule("allocator_reserved_bytes", G, "llmdiag_allocator_reserved_bytes"),
+    Rule("allocator_allocated_bytes", G, "llmdiag_allocator_allocated_bytes"),
+    Rule("allocator_inactive_split_bytes", G, "llmdiag_allocator_inactive_split_bytes"),
+    Rule("allocator_alloc_retries_total", C, "llmdiag_allocator_alloc_retries_total"),
+    Rule("allocator_ooms_total", C, "llmdiag_allocator_ooms_total"),
+    Rule("allocator_fragmentation_ratio", Kind.RATIO, "llmdiag_allocator_inactive_split_bytes",
+         other="llmdiag_allocator_reserved_bytes"),
+)
 
 VLLM = Dialect(
     engine="vllm",
@@ -248,7 +269,10 @@ TGI = Dialect(
 
 #: Detection order matters: a Triton server running the TensorRT-LLM backend
 #: exposes both nv_trt_llm_* and nv_inference_*, and is TensorRT-LLM.
-DIALECTS: tuple[Dialect, ...] = (VLLM, SGLANG, TRTLLM_SERVE, TRTLLM_TRITON, TRITON, TGI)
+DIALECTS: tuple[Dialect, ...] = tuple(
+    Dialect(d.engine, d.prefixes, d.engine_label, d.rules + ALLOCATOR_RULES)
+    for d in (VLLM, SGLANG, TRTLLM_SERVE, TRTLLM_TRITON, TRITON, TGI)
+)
 
 ALL_PREFIXES: tuple[str, ...] = tuple(p for d in DIALECTS for p in d.prefixes)
 

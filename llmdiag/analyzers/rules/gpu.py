@@ -14,22 +14,11 @@ from llmdiag.config.analyzers import (
     GpuThrottlingConfig,
     IoBlockingConfig,
 )
+from llmdiag.collectors.nvml import CLOCK_EVENT_REASONS
 from llmdiag.model import HOST, Labelled, Severity
 
 __all__ = ["GpuFault", "GpuIdleWithQueue", "GpuMemoryPressure", "GpuThrottling", "IoBlocking", "throttle_names"]
 
-# NVML clocks-event (throttle) reason bits, nvml.h nvmlClocksThrottleReason*.
-_THROTTLE_BITS = {
-    0x1: "gpu_idle",
-    0x2: "applications_clocks_setting",
-    0x4: "sw_power_cap",
-    0x8: "hw_slowdown",
-    0x10: "sync_boost",
-    0x20: "sw_thermal_slowdown",
-    0x40: "hw_thermal_slowdown",
-    0x80: "hw_power_brake_slowdown",
-    0x100: "display_clock_setting",
-}
 # Reasons that cost throughput; idle, app clocks, sync boost and display clocks are normal.
 _HARMFUL = {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"}
 _HW = {"hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"}
@@ -53,7 +42,7 @@ def throttle_names(value: object) -> set[str]:
         return out
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
         mask = int(value)
-        return {name for bit, name in _THROTTLE_BITS.items() if mask & bit}
+        return {name for bit, name in CLOCK_EVENT_REASONS.items() if mask & bit}
     return set()
 
 
