@@ -19,7 +19,16 @@ if [ "$found" = 0 ]; then
 fi
 if [ "$found" != 0 ]; then
     echo "== llmdiag diagnose --duration ${DEMO_SECONDS:-30} on the engines of this host =="
-    exec "$LLMDIAG" "${args[@]}" diagnose --duration "${DEMO_SECONDS:-30}"
+    "$LLMDIAG" "${args[@]}" diagnose --duration "${DEMO_SECONDS:-30}"
+else
+    echo "== no inference engines found on this host: llmdiag demo (embedded fleet of fake vLLM engines) =="
+    "$LLMDIAG" demo --duration "${DEMO_SECONDS:-60}"
 fi
-echo "== no inference engines found on this host: llmdiag demo (embedded fleet of fake vLLM engines) =="
-exec "$LLMDIAG" demo --duration "${DEMO_SECONDS:-60}"
+rc=$?
+# diagnose/demo exit 1 (warning) or 2 (critical) when they found something: that is the
+# demo working, not make failing. Anything else is a real error.
+case $rc in
+    0) echo "(exit code 0: healthy)" ;;
+    1|2) echo "(llmdiag exit code $rc: $([ $rc = 1 ] && echo warning || echo critical) diagnoses found)"; rc=0 ;;
+esac
+exit $rc

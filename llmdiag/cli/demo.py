@@ -84,6 +84,9 @@ def _watch(config: Config, fleet: DemoFleet, backends: list[Backend], duration: 
 
 
 def handle(args: argparse.Namespace, config: Config) -> int:
+    if args.fault_at is None:
+        # Early enough that a short demo still shows the whole story.
+        args.fault_at = min(15.0, args.duration / 4)
     fleet = DemoFleet(default_fleet(fault_at=args.fault_at), rate_rps=args.rate)
     console = Console()
     console.print(f"starting the demo fleet: 3 fake vLLM engines on 127.0.0.1, {args.rate:g} req/s round robin; "
@@ -116,7 +119,8 @@ def register(sub: Any) -> None:
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=60.0, metavar="S", help="seconds to run (default 60)")
     parser.add_argument("--rate", type=float, default=3.0, metavar="RPS", help="requests per second over the fleet (default 3)")
-    parser.add_argument("--fault-at", type=float, default=15.0, metavar="S", help="when vllm-2 goes bad (default 15 s)")
+    parser.add_argument("--fault-at", type=float, default=None, metavar="S",
+                        help="when vllm-2 goes bad (default 15 s, or a quarter of a shorter --duration)")
     parser.add_argument("--no-live", action="store_true", help="no live table, only the final report")
     parser.set_defaults(handler=handle)
 
