@@ -19,6 +19,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,23 +204,113 @@ class Captured:
     text = ""
 
 
+# fd 2 is process-wide: one capture at a time.
+_CAPTURE_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def captured_stderr() -> Iterator[Captured]:
     """Capture what C libraries (bcc, LLVM, libbpf) write to fd 2: compile and verifier errors.
 
-    Used by the probes here and by :mod:`llmdiag.bpf.loader` to put the real error into a reason."""
+    Used by the probes here and by :mod:`llmdiag.bpf.loader` to put the real error into a reason.
+
+    LLVM does not always return an error: on some (a BPF stack over 512 bytes, any
+    error diagnostic) it calls ``exit(1)`` in the middle of the capture, and the
+    process would die with its only explanation in a temporary file. While the
+    capture is open, :class:`_ExitGuard` has the C library's exit path copy the
+    captured text to the real stderr first (glibc only; elsewhere there is no guard)."""
     captured = Captured()
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
+    with _CAPTURE_LOCK, tempfile.TemporaryFile(mode="w+b") as tmp:
         sys.stderr.flush()
         saved = os.dup(2)
         os.dup2(tmp.fileno(), 2)
+        guard = _ExitGuard.arm(tmp.fileno(), saved)
         try:
             yield captured
         finally:
+            if guard is not None:
+                guard.disarm()
             os.dup2(saved, 2)
             os.close(saved)
             tmp.seek(0)
             captured.text = tmp.read().decode(errors="replace")
+
+
+class _ExitGuard:
+    """A C-level exit handler that lives exactly as long as one capture.
+
+    Python's :mod:`atexit` does not run when a C library calls ``exit()``, but
+    handlers registered with ``__cxa_atexit`` do. The handler is registered under
+    a private "DSO handle" so that ``__cxa_finalize(handle)`` can remove it again
+    when the capture ends (it calls it once then, disarmed: a no-op); a handler
+    left registered would run after the interpreter is finalized and crash it.
+    musl's ``__cxa_finalize`` removes nothing, hence glibc only."""
+
+    _EXIT_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    _libc: ctypes.CDLL | None = None
+    _usable: bool | None = None
+
+    def __init__(self, captured_fd: int, stderr_fd: int) -> None:
+        self.captured_fd = captured_fd
+        self.stderr_fd = stderr_fd
+        self.armed = True
+        self.handle = ctypes.c_char()  # its address is the private DSO handle
+        self.callback = self._EXIT_FN(self._on_exit)  # referenced here so ctypes keeps it alive
+
+    @classmethod
+    def arm(cls, captured_fd: int, stderr_fd: int) -> _ExitGuard | None:
+        libc = cls._glibc()
+        if libc is None:
+            return None
+        guard = cls(captured_fd, stderr_fd)
+        if getattr(libc, "__cxa_atexit")(guard.callback, None, ctypes.byref(guard.handle)) != 0:
+            return None
+        return guard
+
+    @classmethod
+    def _glibc(cls) -> ctypes.CDLL | None:
+        if cls._usable is None:
+            cls._usable = False
+            if platform.libc_ver()[0] == "glibc":
+                try:
+                    libc = ctypes.CDLL(None)
+                    # getattr: a literal ``libc.__cxa_atexit`` in a class body is name-mangled.
+                    getattr(libc, "__cxa_atexit").argtypes = [cls._EXIT_FN, ctypes.c_void_p, ctypes.c_void_p]
+                    getattr(libc, "__cxa_finalize").argtypes = [ctypes.c_void_p]
+                except (OSError, AttributeError):
+                    pass
+                else:
+                    cls._libc, cls._usable = libc, True
+        return cls._libc if cls._usable else None
+
+    def disarm(self) -> None:
+        self.armed = False
+        libc = self._glibc()
+        if libc is not None:
+            getattr(libc, "__cxa_finalize")(ctypes.byref(self.handle))
+
+    def _on_exit(self, _arg: int | None) -> None:
+        if not self.armed:
+            return
+        self.armed = False
+        try:
+            text = _read_all(self.captured_fd)
+            message = (b"llmdiag: the process exited while compiling/loading a BPF program; "
+                       b"the compiler said:\n" + text + (b"" if text.endswith(b"\n") else b"\n"))
+            os.dup2(self.stderr_fd, 2)  # whatever else is written on the way out goes to stderr too
+            view = memoryview(message)
+            while view:
+                view = view[os.write(2, view):]
+        except OSError:
+            pass
+
+
+def _read_all(fd: int) -> bytes:
+    chunks, offset = [], 0
+    while chunk := os.pread(fd, 1 << 16, offset):
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
 
 
 _FENTRY_PROBE = "KFUNC_PROBE(tcp_sendmsg) { return 0; }"

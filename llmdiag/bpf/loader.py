@@ -14,6 +14,24 @@ editing the source text::
 with local headers inlined) without bcc, root or a kernel, so a program can be
 reviewed and unit-tested anywhere.
 
+Everything a collector does with its program goes through :class:`Program`;
+no collector touches ``Program.bpf`` or ``bcc.libbcc``:
+
+* attaching: ``attach_tracepoint``/``attach_kprobe``/``attach_kretprobe``/
+  ``attach_uprobe``/``attach_uretprobe`` (or :meth:`Program.attach` with an
+  :class:`AttachPoint`); :meth:`Program.detach_uprobes` removes one process's
+  uprobes without resolving symbols again (works after the process exited);
+* tail calls: :meth:`Program.load_function` loads a function without
+  attaching it and returns its fd, :meth:`Program.set_prog_array` puts an fd
+  into a ``BPF_PROG_ARRAY``;
+* maps: :meth:`Program.read_hash`, :meth:`Program.read_array`,
+  :meth:`Program.update_map` (``exist="noexist"`` is an insert that never
+  overwrites what the program wrote meanwhile) and :meth:`Program.table`, the
+  bcc table itself, for its ``Key``/``Leaf`` types, iteration and deletes;
+* counters: :meth:`Program.errors` reads every slot of ``llmdiag_errors``,
+  named by :data:`ERROR_NAMES` plus what :meth:`Program.name_errors` adds for
+  a program's own slots; lost perf events are counted too.
+
 Reading maps: :meth:`Program.read_hash` is a *cumulative* read by default.
 Counters in llmdiag maps only grow; collectors keep the previous reading and
 report ``_total`` values or deltas. Read-and-clear (``clear=True``) is there
@@ -23,7 +41,12 @@ increments between the read and the delete, which is why counters never use it.
 Failures: anything that keeps a program from running (no bcc, not root, no
 headers, no tracefs, compile or load error, attach error) raises
 :class:`BPFUnavailable` with a ``reason`` and a ``hint`` that a collector puts
-into its ``unavailable`` status.
+into its ``unavailable`` status. The reason quotes what bcc, LLVM or the
+verifier wrote to fd 2, which is captured while they run
+(:func:`llmdiag.bpf.features.captured_stderr`). LLVM sometimes does not return
+an error but calls ``exit(1)`` (a BPF stack over 512 bytes, any error
+diagnostic); the capture then writes what the compiler said to the real stderr
+on the way out, so the process never dies without a word.
 
 bcc is imported inside functions only: ``import llmdiag.bpf.loader`` works on a
 machine without bcc.
@@ -33,6 +56,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
+import errno
 import logging
 import os
 import re
@@ -46,6 +71,9 @@ from llmdiag.bpf import features
 
 __all__ = [
     "BPF_DIR",
+    "ERROR_NAMES",
+    "PROG_TYPES",
+    "UPDATE_FLAGS",
     "AttachPoint",
     "BPFUnavailable",
     "Program",
@@ -59,9 +87,22 @@ log = logging.getLogger("llmdiag.bpf")
 
 BPF_DIR = Path(__file__).resolve().parent
 
-#: Index of the map-full counter in ``llmdiag_errors`` (common.h).
+#: Slots of ``llmdiag_errors`` that every program shares (``enum llmdiag_error`` in common.h).
 ERR_MAP_FULL = 0
 ERR_READ = 1
+#: Names :meth:`Program.errors` reports the shared slots under; a program's own
+#: slots are added per program with :meth:`Program.name_errors`.
+ERROR_NAMES: Mapping[int, str] = {ERR_MAP_FULL: "map_full", ERR_READ: "read"}
+
+#: ``kind`` of :meth:`Program.load_function` -> ``enum bpf_prog_type`` (uapi/linux/bpf.h).
+#: A tail-called function must have the type of the program that calls it
+#: (uprobes are ``kprobe`` programs).
+PROG_TYPES: Mapping[str, int] = {
+    "socket_filter": 1, "kprobe": 2, "tracepoint": 5, "xdp": 6, "perf_event": 7, "raw_tracepoint": 17,
+}
+
+#: ``exist`` of :meth:`Program.update_map` -> ``BPF_ANY``/``BPF_NOEXIST``/``BPF_EXIST`` (uapi/linux/bpf.h).
+UPDATE_FLAGS: Mapping[str, int] = {"any": 0, "noexist": 1, "exist": 2}
 
 _DEFINE_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
@@ -212,6 +253,10 @@ class Program:
         self.defines = dict(defines)
         self.attached: list[str] = []
         self.lost_events_total = 0
+        #: ``llmdiag_errors`` slot -> the name :meth:`errors` reports it under.
+        self.error_names: dict[int, str] = dict(ERROR_NAMES)
+        # pid -> (what, bcc event names) of the uprobes attached for that pid only.
+        self._uprobes: dict[int, list[tuple[str, list[bytes]]]] = {}
         self._closed = False
         self._close_lock = threading.Lock()
         atexit.register(self.close)
@@ -269,12 +314,43 @@ class Program:
         self._attach(f"kretprobe:{event}", lambda: self.bpf.attach_kretprobe(event=event.encode(), fn_name=fn_name.encode()))
 
     def attach_uprobe(self, library: str, symbol: str, fn_name: str, pid: int = -1) -> None:
-        self._attach(f"uprobe:{library}:{symbol}",
-                     lambda: self.bpf.attach_uprobe(name=library.encode(), sym=symbol.encode(), fn_name=fn_name.encode(), pid=pid))
+        self._attach_user(f"uprobe:{library}:{symbol}", pid,
+                          lambda: self.bpf.attach_uprobe(name=library.encode(), sym=symbol.encode(),
+                                                         fn_name=fn_name.encode(), pid=pid))
 
     def attach_uretprobe(self, library: str, symbol: str, fn_name: str, pid: int = -1) -> None:
-        self._attach(f"uretprobe:{library}:{symbol}",
-                     lambda: self.bpf.attach_uretprobe(name=library.encode(), sym=symbol.encode(), fn_name=fn_name.encode(), pid=pid))
+        self._attach_user(f"uretprobe:{library}:{symbol}", pid,
+                          lambda: self.bpf.attach_uretprobe(name=library.encode(), sym=symbol.encode(),
+                                                            fn_name=fn_name.encode(), pid=pid))
+
+    def _attach_user(self, what: str, pid: int, fn: Callable[[], Any]) -> None:
+        before = set(self.bpf.uprobe_fds)
+        self._attach(what, fn)
+        if pid != -1:
+            events = [ev for ev in self.bpf.uprobe_fds if ev not in before]
+            self._uprobes.setdefault(pid, []).append((what, events))
+
+    def detach_uprobes(self, pid: int) -> int:
+        """Detach every uprobe and uretprobe attached with this ``pid``; returns how many.
+
+        By the probe events recorded at attach time, not by symbol: bcc's
+        ``detach_uprobe`` resolves the symbol again through the path it was given
+        (``/proc/PID/root/...``), which is gone once the process has exited, and that
+        is exactly when a tracer detaches. Detach errors are logged, never raised."""
+        detached = 0
+        for what, events in self._uprobes.pop(pid, []):
+            with contextlib.suppress(ValueError):
+                self.attached.remove(what)
+            for event in events:
+                if self._closed or event not in self.bpf.uprobe_fds:
+                    continue
+                try:
+                    self.bpf.detach_uprobe_event(event)
+                except Exception as exc:  # noqa: BLE001 - bcc raises plain Exception
+                    log.warning("BPF program %s: detaching %s of pid %d failed: %s", self.name, what, pid, exc)
+                else:
+                    detached += 1
+        return detached
 
     def attach(self, point: AttachPoint) -> None:
         if point.kind == "tracepoint":
@@ -289,9 +365,77 @@ class Program:
         else:
             raise ValueError(f"unknown attach kind {point.kind!r}")
 
+    # -- tail calls -------------------------------------------------------------
+    def load_function(self, fn_name: str, kind: str = "tracepoint") -> int:
+        """Load (verify) ``fn_name`` as a ``kind`` program (:data:`PROG_TYPES`) without
+        attaching it; returns its fd, owned by the program (closed by :meth:`close`).
+        For tail calls: put the fd into a prog array with :meth:`set_prog_array`.
+        A verifier rejection raises :class:`BPFUnavailable` with the verifier's words."""
+        if kind not in PROG_TYPES:
+            raise ValueError(f"unknown program kind {kind!r}; one of {', '.join(sorted(PROG_TYPES))}")
+        self._require_open()
+        with features.captured_stderr() as captured:
+            try:
+                fd = int(self.bpf.load_func(fn_name.encode(), PROG_TYPES[kind]).fd)
+            except Exception as exc:  # noqa: BLE001 - bcc raises bare Exception on verifier errors
+                error: Exception | None = exc
+            else:
+                error = None
+        if error is not None:
+            detail = _first_error_lines(captured.text)
+            raise BPFUnavailable(f"loading {fn_name} of {self.name} failed: {error}" + (f": {detail}" if detail else ""),
+                                 "the verifier's log is in the reason; see `llmdiag doctor`") from error
+        return fd
+
+    def set_prog_array(self, map_name: str, index: int, fd: int) -> None:
+        """``map_name[index] = fd`` in a ``BPF_PROG_ARRAY``: ``map_name.call(ctx, index)``
+        in the program then jumps to that function. Raises :class:`BPFUnavailable` when
+        the kernel refuses (an fd of another program type, an index out of range)."""
+        if index < 0:
+            raise ValueError(f"prog array index must be >= 0, not {index}")
+        self._require_open()
+        prog_array = self.table(map_name)  # KeyError for a map the program does not have
+        try:
+            prog_array[ctypes.c_int(index)] = ctypes.c_int(fd)
+        except Exception as exc:  # noqa: BLE001 - bcc raises bare Exception
+            raise BPFUnavailable(f"{self.name}: setting {map_name}[{index}] to fd {fd} failed: {exc}",
+                                 "a tail-called function must have its caller's program type") from exc
+
     # -- maps -----------------------------------------------------------------
     def table(self, name: str) -> Any:
+        """The bcc table object of map ``name`` (``KeyError`` if there is none).
+
+        Public API: its ``Key``/``Leaf`` ctypes types build keys and values for
+        :meth:`update_map`; ``keys()``, ``items()`` and ``del table[key]`` read and
+        delete entries. Plain reads are simpler through :meth:`read_hash`/:meth:`read_array`."""
         return self.bpf.get_table(name.encode())
+
+    def update_map(self, name: str, key: Any, value: Any, exist: str = "any") -> bool:
+        """Write ``key -> value`` into map ``name``; ``exist`` is ``"any"`` (insert or
+        overwrite), ``"noexist"`` (insert only: an entry the program created
+        meanwhile keeps its state) or ``"exist"`` (overwrite only).
+
+        ``key`` and ``value`` are instances of the table's ``Key``/``Leaf`` types,
+        ints (scalar types) or mappings of field name -> value (struct types).
+        Returns ``False`` when ``exist`` refused the write (``EEXIST``/``ENOENT``),
+        ``True`` when it was written; any other failure raises :class:`OSError`
+        (``E2BIG`` is a full hash map)."""
+        if exist not in UPDATE_FLAGS:
+            raise ValueError(f"exist must be one of {', '.join(UPDATE_FLAGS)}, not {exist!r}")
+        self._require_open()
+        from bcc.libbcc import lib  # noqa: PLC0415 - lazy: bcc is optional
+
+        table = self.table(name)
+        c_key = _as_ctype(table.Key, key, f"{name} key")
+        c_value = _as_ctype(table.Leaf, value, f"{name} value")
+        if lib.bpf_update_elem(ctypes.c_int(table.map_fd), ctypes.byref(c_key), ctypes.byref(c_value),
+                               ctypes.c_ulonglong(UPDATE_FLAGS[exist])) == 0:
+            return True
+        err = ctypes.get_errno()
+        if (exist, err) in (("noexist", errno.EEXIST), ("exist", errno.ENOENT)):
+            return False
+        what = "map full" if err == errno.E2BIG else os.strerror(err)
+        raise OSError(err, f"{self.name}: updating map {name} failed: {what}")
 
     def read_hash(self, name: str, clear: bool = False) -> list[tuple[Any, Any]]:
         """All entries of a hash map as ``(key, value)`` pairs of plain Python data
@@ -316,8 +460,20 @@ class Program:
                 out.append(int(getattr(value, "value", value)))
         return out
 
+    def name_errors(self, names: Mapping[int, str]) -> None:
+        """Name this program's own ``llmdiag_errors`` slots (beyond :data:`ERROR_NAMES`),
+        e.g. ``{2: "tail_call"}``; a slot or a name already taken by another raises ``ValueError``."""
+        for slot, name in names.items():
+            if not isinstance(slot, int) or slot < 0 or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+                raise ValueError(f"bad error slot {slot!r} -> {name!r}")
+            taken = {n: s for s, n in self.error_names.items()} | {"lost_events": -1}
+            if self.error_names.get(slot, name) != name or taken.get(name, slot) != slot:
+                raise ValueError(f"error slot {slot} -> {name!r} clashes with {self.error_names}")
+            self.error_names[slot] = name
+
     def errors(self) -> dict[str, int]:
-        """``map_full`` and ``read`` failure counts from ``llmdiag_errors`` (common.h), plus lost events."""
+        """Every slot of ``llmdiag_errors`` (common.h): named slots (:attr:`error_names`)
+        always, unnamed ones as ``slot_<i>`` when not zero, plus ``lost_events``."""
         counts = {"lost_events": self.lost_events_total}
         if self._closed:
             return counts
@@ -325,8 +481,12 @@ class Program:
             errors = self.read_array("llmdiag_errors")
         except KeyError:
             return counts
-        counts["map_full"] = errors[ERR_MAP_FULL]
-        counts["read"] = errors[ERR_READ]
+        for slot, count in enumerate(errors):
+            name = self.error_names.get(slot)
+            if name is not None:
+                counts[name] = count
+            elif count:
+                counts[f"slot_{slot}"] = count
         return counts
 
     # -- event buffers ------------------------------------------------------------
@@ -354,6 +514,10 @@ class Program:
     def closed(self) -> bool:
         return self._closed
 
+    def _require_open(self) -> None:
+        if self._closed:
+            raise BPFUnavailable(f"BPF program {self.name} is closed")
+
     def close(self) -> None:
         """Detach everything and free the program. Safe to call twice, from atexit or a signal handler."""
         with self._close_lock:
@@ -367,6 +531,7 @@ class Program:
         except Exception as exc:  # noqa: BLE001 - never let teardown raise
             log.warning("BPF program %s did not detach cleanly: %s", self.name, exc)
         self.attached.clear()
+        self._uprobes.clear()
 
     def __enter__(self) -> Program:
         return self
@@ -389,6 +554,25 @@ def plain(value: Any) -> Any:
     if hasattr(value, "value"):
         return value.value
     return value
+
+
+def _as_ctype(ctype: Any, value: Any, what: str) -> Any:
+    """``value`` as an instance of a table's Key/Leaf type: kept as is, built from an
+    int (scalar types) or from a mapping of field names (structs)."""
+    if isinstance(value, ctype):
+        return value
+    if isinstance(value, Mapping):
+        fields = {name for name, *_ in getattr(ctype, "_fields_", ())}
+        unknown = set(value) - fields
+        if unknown or not fields:
+            raise ValueError(f"{what}: unknown field(s) {sorted(unknown)}; fields are {sorted(fields)}")
+        out = ctype()
+        for name, field_value in value.items():
+            setattr(out, name, field_value)
+        return out
+    if isinstance(value, int) and not isinstance(value, bool) and issubclass(ctype, ctypes._SimpleCData):
+        return ctype(value)
+    raise TypeError(f"{what}: expected {ctype.__name__}, an int or a mapping of fields, not {type(value).__name__}")
 
 
 def _autoloaded_tracepoints(bpf: Any) -> list[str]:

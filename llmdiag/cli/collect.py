@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -72,8 +71,6 @@ def handle(args: argparse.Namespace, config: Config) -> int:
             return 2
         config = dataclasses.replace(config, gpu=dataclasses.replace(config.gpu, replay_file=args.nvml_replay))  # type: ignore[attr-defined]
     names = [n.strip() for n in args.collectors.split(",") if n.strip()] if args.collectors else None
-    # SIGTERM (kubectl delete, timeout) stops like Ctrl-C so BPF programs are detached in `finally`.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         stream = snapshot_stream(config, names, duration=args.duration, once=args.once)
         if args.record:

@@ -12,13 +12,15 @@ or closed again), and each backend's penalty and state at the end.
 ``--json`` prints ``{"diagnoses": [...], "backends": {name: {"penalty", "state"}}}``;
 each diagnosis is the SPEC 3.3 object plus ``open`` and ``closed_at``.
 Exit code: 0 healthy (nothing above info), 1 warning, 2 critical; 3 when the
-recording cannot be read.
+recording cannot be read; 64 (EX_USAGE) for a bad option value, so that a
+mistake is never read as "critical".
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -28,6 +30,9 @@ from typing import Any
 from llmdiag.analyzers import Analyzer, BackendHealth
 from llmdiag.config import Config
 from llmdiag.model import Backend, CollectorStatus, Diagnosis, Severity, Snapshot, SnapshotError, read_snapshots
+
+#: Exit code for a bad option value (sysexits.h EX_USAGE): 1 and 2 mean warning and critical.
+EX_USAGE = 64
 
 __all__ = ["DiagnoseReport", "Episode", "analyze", "live_snapshots", "register"]
 
@@ -150,9 +155,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
             print(f"llmdiag diagnose: cannot replay {args.replay}: {exc}", file=sys.stderr)
             return 3
     else:
-        if not args.duration > 0:
-            print("llmdiag diagnose: --duration must be > 0", file=sys.stderr)
-            return 2
+        if not (math.isfinite(args.duration) and args.duration > 0):
+            print("llmdiag diagnose: --duration must be a positive number of seconds", file=sys.stderr)
+            return EX_USAGE
         from llmdiag.cli.wiring import resolve_backends
 
         backends = resolve_backends(config)
@@ -161,7 +166,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
             snapshots = _primed(live_snapshots(config, args.duration, backends=backends))
         except ValueError as exc:
             print(f"llmdiag diagnose: {exc}", file=sys.stderr)
-            return 2
+            return EX_USAGE
         if not args.json and sys.stderr.isatty():
             from rich.console import Console
 

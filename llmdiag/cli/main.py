@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -53,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -69,6 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"llmdiag: {exc}", file=sys.stderr)
         return 2
+    # SIGTERM (kubectl delete, timeout, systemd) stops like Ctrl-C, so every command's
+    # `finally` runs: BPF programs detached, threads joined, the terminal restored.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return int(args.handler(args, config) or 0)
     except KeyboardInterrupt:

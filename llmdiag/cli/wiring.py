@@ -10,6 +10,7 @@ as an ``unavailable`` collector status instead of failing.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -117,14 +118,20 @@ def build_collectors(
         )
     running: list[GuardedCollector] = []
     unavailable: dict[str, CollectorStatus] = {}
-    for name in wanted:
-        try:
-            running.append(GuardedCollector(COLLECTOR_FACTORIES[name](config, backends)))
-        except CollectorUnavailable as exc:
-            unavailable[name] = CollectorStatus(CollectorState.UNAVAILABLE, str(exc))
-        except Exception as exc:  # noqa: BLE001 - one broken collector must not stop the agent
-            log.warning("collector %s failed to start: %s", name, exc)
-            unavailable[name] = CollectorStatus(CollectorState.UNAVAILABLE, f"failed to start: {type(exc).__name__}: {exc}")
+    try:
+        for name in wanted:
+            try:
+                running.append(GuardedCollector(COLLECTOR_FACTORIES[name](config, backends)))
+            except CollectorUnavailable as exc:
+                unavailable[name] = CollectorStatus(CollectorState.UNAVAILABLE, str(exc))
+            except Exception as exc:  # noqa: BLE001 - one broken collector must not stop the agent
+                log.warning("collector %s failed to start: %s", name, exc)
+                unavailable[name] = CollectorStatus(CollectorState.UNAVAILABLE, f"failed to start: {type(exc).__name__}: {exc}")
+    except BaseException:
+        # Interrupted (Ctrl-C, SIGTERM) while a later collector compiled: close what already runs.
+        for collector in running:
+            collector.close()
+        raise
     return running, unavailable
 
 
@@ -146,6 +153,8 @@ def snapshot_ticks(
     ends or is closed (BPF programs detached). Unknown collector names raise ``ValueError``
     before anything is yielded.
     """
+    if duration is not None and not (math.isfinite(duration) and duration > 0):
+        raise ValueError(f"duration must be a positive number of seconds, got {duration!r}")
     collectors, unavailable = build_collectors(config, backends, names)
     hostname = config.agent.hostname or socket.gethostname()
     interval = config.agent.interval_seconds

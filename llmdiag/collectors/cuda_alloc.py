@@ -275,16 +275,8 @@ class CudaAllocCollector:
         log.info("cuda tracer: tracing pid %d of %s through %s (%s)", tgid, backend, library.path, ", ".join(symbols))
 
     def _detach(self, tgid: int) -> None:
-        # The loader has no per-probe detach, and bcc's detach_uprobe() resolves the
-        # symbol again through /proc/TGID/root, which is gone once the process exits:
-        # close bcc's probe events by name instead (names end in "_<pid>").
-        bpf = self.program.bpf
-        suffix = b"_%d" % tgid
-        for event in [e for e in list(getattr(bpf, "uprobe_fds", {})) if e.endswith(suffix)]:
-            try:
-                bpf.detach_uprobe_event(event)
-            except Exception as exc:  # noqa: BLE001 - bcc raises plain Exception
-                log.debug("cuda tracer: detaching %r: %s", event, exc)
+        # By pid, not by symbol: the library path under /proc/TGID/root is gone once it exits.
+        self.program.detach_uprobes(tgid)
 
     # -- processes that exit -------------------------------------------------------
     def _exited(self) -> list[int]:

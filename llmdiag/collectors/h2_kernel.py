@@ -10,9 +10,8 @@
 * :meth:`read_stats`, :meth:`read_connections`: the cumulative counters;
 * :meth:`poll_events`: RST_STREAM/GOAWAY records from the ring buffer.
 
-Two things the shared loader does not offer are done here on the raw bcc
-object (``Program.bpf``): loading the tail-called walker program into the
-``walkers`` prog array, and a ``BPF_NOEXIST`` map insert.
+The tail-called walker is loaded with :meth:`Program.load_function` and put
+into the ``walkers`` prog array with :meth:`Program.set_prog_array`.
 """
 
 from __future__ import annotations
@@ -52,7 +51,6 @@ FRAME_NAMES = {3: "RST_STREAM", 7: "GOAWAY"}
 H2_STATE_CONFIRMED = 2
 _ORIGIN_USER = 1
 _DEFAULT_WINDOW = 65535
-_BPF_NOEXIST = 1
 _ERR_TAIL_CALL = 2  # LLMDIAG_ERR_TAIL_CALL in http2_frames.bpf.c
 
 
@@ -134,6 +132,7 @@ class H2Kernel:
     def load(cls, config: Http2Config, loader: Callable[..., Program] = Program.load) -> H2Kernel:
         program = loader(PROGRAM, program_defines(config))
         kernel = cls(program)
+        program.name_errors({_ERR_TAIL_CALL: "tail_call"})
         try:
             _install_walker(program)
             program.open_ring_buffer("h2_events", kernel._on_event)
@@ -178,23 +177,17 @@ class H2Kernel:
                     del table[key]
                 except KeyError:
                     pass
-        from bcc.libbcc import lib  # noqa: PLC0415 - bcc is only there when the program loaded
-
         for (pid, fd), port in connections.items():
             if (pid, fd) in existing:
                 continue
-            key = table.Key()
-            key.tgid, key.fd = pid, fd
-            leaf = table.Leaf()
-            leaf.port = port
-            leaf.origin = _ORIGIN_USER
-            leaf.created_ns = time.monotonic_ns()
-            leaf.peer_initial_window = _DEFAULT_WINDOW
-            leaf.conn_send_window = _DEFAULT_WINDOW
-            # BPF_NOEXIST: if the program adopted this fd meanwhile, keep its state.
-            if lib.bpf_update_elem(ctypes.c_int(table.map_fd), ctypes.byref(key), ctypes.byref(leaf),
-                                   ctypes.c_ulonglong(_BPF_NOEXIST)) == 0:
-                inserted += 1
+            leaf = {"port": port, "origin": _ORIGIN_USER, "created_ns": time.monotonic_ns(),
+                    "peer_initial_window": _DEFAULT_WINDOW, "conn_send_window": _DEFAULT_WINDOW}
+            # noexist: if the program adopted this fd meanwhile, keep its state.
+            try:
+                if self.program.update_map("conns", {"tgid": pid, "fd": fd}, leaf, exist="noexist"):
+                    inserted += 1
+            except OSError:
+                pass  # map full: the pair is tried again on the next sync
         return inserted
 
     # -- reading -------------------------------------------------------------
@@ -223,12 +216,8 @@ class H2Kernel:
         return events
 
     def errors(self) -> dict[str, int]:
-        errors = self.program.errors()
-        try:
-            errors["tail_call"] = self.program.read_array("llmdiag_errors")[_ERR_TAIL_CALL]
-        except (KeyError, IndexError):
-            pass
-        return errors
+        """``map_full``, ``read``, ``tail_call`` and ``lost_events`` counts (:meth:`Program.errors`)."""
+        return self.program.errors()
 
     def close(self) -> None:
         self.program.close()
@@ -245,15 +234,12 @@ class H2Kernel:
 
 
 def _install_walker(program: Program) -> None:
-    """Load the tail-called ``h2_walk`` and put it in ``walkers[0]`` (the loader
-    attaches programs, it does not load unattached ones)."""
-    from bcc import BPF  # noqa: PLC0415 - lazy: bcc is optional
-
+    """Load the tail-called ``h2_walk`` (a tracepoint program, like its callers) and
+    put it in ``walkers[0]``."""
     try:
-        fn = program.bpf.load_func(b"h2_walk", BPF.TRACEPOINT)
-        program.bpf[b"walkers"][ctypes.c_int(0)] = ctypes.c_int(fn.fd)
-    except Exception as exc:  # noqa: BLE001 - bcc raises bare Exception on verifier errors
-        raise BPFUnavailable(f"loading the http2 frame walker failed: {exc}",
+        program.set_prog_array("walkers", 0, program.load_function("h2_walk", "tracepoint"))
+    except BPFUnavailable as exc:
+        raise BPFUnavailable(f"loading the http2 frame walker failed: {exc.reason}",
                              "lower [http2] steps_per_run; see `llmdiag doctor`") from exc
 
 

@@ -225,6 +225,7 @@ class TcpCollector:
             "MAX_PORTS": 1024,
         })
         self.defines = defines
+        program = None
         try:
             program = factory("tcp_health", defines)
             if defines["SEND_PATH"] == 2:  # kprobes are not auto-attached: the C names avoid bcc's kprobe__ prefix
@@ -237,9 +238,13 @@ class TcpCollector:
         except BPFUnavailable as exc:
             self.unavailable = exc
             log.warning("tcp collector unavailable: %s", exc)
-            return
         except Exception as exc:  # noqa: BLE001 - a bcc table error is a load failure too
             self.unavailable = BPFUnavailable(f"setting up tcp_health maps failed: {exc}", "see `llmdiag doctor`")
+        if self.unavailable is not None:
+            # Loaded but not usable (an attach or a map write failed): detach now, so a collector
+            # that says "unavailable" costs the kernel nothing.
+            if program is not None:
+                program.close()
             return
         self.program = program
         _calibrate()

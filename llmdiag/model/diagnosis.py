@@ -163,7 +163,9 @@ def combine_penalties(penalties: Iterable[float]) -> float:
     keep = 1.0
     for p in penalties:
         keep *= 1.0 - _check_unit("penalty", p)
-    return 1.0 - keep
+    # Rounded so that one 0.2 penalty combines to 0.2, not 0.19999999999999996, and
+    # compares as such against thresholds like [diagnosis] degraded_penalty.
+    return round(1.0 - keep, 9)
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,8 +56,8 @@ class Distribution:
         }
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> Distribution:
-        return cls(**{k: _number_or_none(obj.get(k), k) for k in _DISTRIBUTION_KEYS})
+    def from_json(cls, obj: Mapping[str, Any], where: str = "distribution") -> Distribution:
+        return cls(**{k: _number_or_none(obj.get(k), f"{where}.{k}") for k in _DISTRIBUTION_KEYS})
 
 
 class Labelled(dict[str, float]):
@@ -110,11 +110,22 @@ def _finite_or_none(value: float | None) -> float | None:
 
 
 def _number_or_none(value: Any, where: str) -> float | None:
+    """A JSON number as a signal value; non-finite or out-of-range numbers are NA (``None``).
+
+    JSON may carry ``1e400`` (inf) or a 400-digit integer: neither is a measurement, and
+    either would raise ``OverflowError`` deep inside an analyzer.
+    """
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{where}: expected a number or null, got {value!r}")
-    return value
+    if isinstance(value, int):
+        return value if -_INT_LIMIT <= value <= _INT_LIMIT else None
+    return value if math.isfinite(value) else None
+
+
+# Larger integers are not measurements (2**63 bytes is 8 EiB) and do not fit a float exactly.
+_INT_LIMIT = 2**63
 
 
 def encode_value(value: SignalValue) -> Any:
@@ -144,10 +155,10 @@ def decode_value(obj: Any, where: str = "signal") -> SignalValue:
     if isinstance(obj, bool):
         raise ValueError(f"{where}: booleans are not signal values")
     if isinstance(obj, (int, float)):
-        return obj
+        return _number_or_none(obj, where)
     if isinstance(obj, Mapping):
         if obj and set(obj) <= _DISTRIBUTION_KEYS:
-            return Distribution.from_json(obj)
+            return Distribution.from_json(obj, where)
         out = Labelled()
         for key, v in obj.items():
             parse_label_key(key)  # validates

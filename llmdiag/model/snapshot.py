@@ -24,6 +24,7 @@ import enum
 import gzip
 import io
 import json
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,27 +204,26 @@ class Snapshot:
             raise SnapshotError("a snapshot must be a JSON object")
         if obj.get("schema") != SNAPSHOT_SCHEMA:
             raise SnapshotError(f"unknown snapshot schema {obj.get('schema')!r} (want {SNAPSHOT_SCHEMA})")
-        try:
-            ts = float(obj["ts"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SnapshotError("snapshot has no numeric 'ts'") from exc
-        snap = cls(ts=ts, hostname=str(obj.get("hostname", "")))
-        host = dict(obj.get("host") or {})
-        for dest, signals in (host.pop(_DESTINATIONS, None) or {}).items():
+        ts = obj.get("ts")
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+            raise SnapshotError(f"snapshot has no finite numeric 'ts' (got {ts!r})")
+        snap = cls(ts=float(ts), hostname=str(obj.get("hostname", "")))
+        host = dict(_table(obj.get("host"), "host"))
+        for dest, signals in _table(host.pop(_DESTINATIONS, None), "host.destinations").items():
             snap.destinations[dest] = _decode_signals(signals, f"host.destinations[{dest}]")
         snap.host = _decode_signals(host, "host")
-        for name, entry in (obj.get("backends") or {}).items():
-            entry = dict(entry)
-            engines = entry.pop(_ENGINES, None) or {}
+        for name, entry in _table(obj.get("backends"), "backends").items():
+            entry = dict(_table(entry, f"backends[{name}]"))
+            engines = _table(entry.pop(_ENGINES, None), f"backends[{name}].engines")
             snap.backends[name] = _decode_signals(entry, f"backends[{name}]")
             if engines:
                 snap.engines[name] = {
                     e: _decode_signals(s, f"backends[{name}].engines[{e}]") for e, s in engines.items()
                 }
-        for index, signals in (obj.get("gpus") or {}).items():
+        for index, signals in _table(obj.get("gpus"), "gpus").items():
             snap.gpus[str(index)] = _decode_signals(signals, f"gpus[{index}]")
-        for name, status in (obj.get("collectors") or {}).items():
-            snap.collectors[name] = CollectorStatus.from_json(status)
+        for name, status in _table(obj.get("collectors"), "collectors").items():
+            snap.collectors[name] = CollectorStatus.from_json(_table(status, f"collectors[{name}]"))
         return snap
 
     @classmethod
@@ -232,6 +232,15 @@ class Snapshot:
             return cls.from_json(json.loads(text))
         except json.JSONDecodeError as exc:
             raise SnapshotError(f"not JSON: {exc}") from exc
+
+
+def _table(obj: Any, where: str) -> Mapping[str, Any]:
+    """A JSON object (``null``/absent = empty); anything else is a :class:`SnapshotError` naming where."""
+    if obj is None:
+        return {}
+    if not isinstance(obj, Mapping):
+        raise SnapshotError(f"{where}: expected an object, got {type(obj).__name__}")
+    return obj
 
 
 def _index_order(key: str) -> tuple[int, str]:
@@ -270,11 +279,16 @@ def write_snapshots(path: str | Path, snapshots: Iterable[Snapshot], append: boo
 
 def read_snapshots(path: str | Path) -> Iterator[Snapshot]:
     """Read a JSONL (optionally gzip) recording; a bad line raises :class:`SnapshotError` naming it."""
-    with _open_text(Path(path), "r") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                yield Snapshot.loads(line)
-            except SnapshotError as exc:
-                raise SnapshotError(f"{path}:{lineno}: {exc}") from None
+    try:
+        with _open_text(Path(path), "r") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield Snapshot.loads(line)
+                except SnapshotError as exc:
+                    raise SnapshotError(f"{path}:{lineno}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SnapshotError(f"{path}: not a text recording ({exc.reason} at byte {exc.start})") from None
+    except (gzip.BadGzipFile, EOFError) as exc:
+        raise SnapshotError(f"{path}: broken gzip file ({exc})") from None

@@ -1,10 +1,17 @@
 """The bcc loader on the running kernel: compile, auto-attach, count real loopback
-connections, count map-full failures, detach (SPEC section 2)."""
+connections, count map-full failures, detach (SPEC section 2); map updates with
+exist conditions, named error slots, tail calls, per-pid uprobe detach, and a
+compiler that calls exit() (SPEC section 2)."""
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -106,3 +113,180 @@ def test_compile_error_is_bpf_unavailable_with_reason() -> None:
         Program.load("selftest", {"SELFTEST_PORT": "undefined_identifier_xyz"})
     assert "undefined_identifier_xyz" in info.value.reason
     assert info.value.hint
+
+
+# -- the API that collectors use instead of bcc internals ---------------------------------
+
+_UNUSED_PORT = 9  # discard: nothing on loopback uses it in these tests, so the program writes nothing
+
+
+def test_update_map_insert_only_overwrite_only_and_full() -> None:
+    prog = Program.load("selftest", {"SELFTEST_PORT": _UNUSED_PORT, "MAX_TRANSITIONS": 2})
+    try:
+        assert prog.update_map("transitions", 7, 1, exist="noexist") is True
+        assert prog.update_map("transitions", 7, 2, exist="noexist") is False  # kept the first value
+        assert dict(prog.read_hash("transitions")) == {7: 1}
+        assert prog.update_map("transitions", 8, 5, exist="exist") is False  # nothing to overwrite
+        assert prog.update_map("transitions", 7, 3, exist="exist") is True
+        table = prog.table("transitions")
+        assert prog.update_map("transitions", table.Key(8), table.Leaf(4)) is True  # "any", ctypes values
+        assert dict(prog.read_hash("transitions")) == {7: 3, 8: 4}
+        with pytest.raises(OSError) as full:
+            prog.update_map("transitions", 9, 1, exist="noexist")
+        assert full.value.errno == errno.E2BIG and "map full" in str(full.value)
+        with pytest.raises(ValueError):
+            prog.update_map("transitions", 9, 1, exist="sometimes")
+        with pytest.raises(ValueError):
+            prog.update_map("transitions", {"no_such_field": 1}, 1)
+        with pytest.raises(TypeError):
+            prog.update_map("transitions", "7", 1)
+        with pytest.raises(KeyError):
+            prog.update_map("no_such_map", 1, 1)
+    finally:
+        prog.close()
+    with pytest.raises(BPFUnavailable):
+        prog.update_map("transitions", 1, 1)
+
+
+def test_errors_reports_every_slot_and_names_added_by_the_program() -> None:
+    prog = Program.load("selftest", {"SELFTEST_PORT": _UNUSED_PORT})
+    try:
+        assert prog.errors() == {"lost_events": 0, "map_full": 0, "read": 0}
+        prog.update_map("llmdiag_errors", 2, 5)  # as if the program had counted its own error 5 times
+        assert prog.errors()["slot_2"] == 5  # an unnamed slot is still reported once it counts
+        prog.name_errors({2: "tail_call"})
+        assert prog.errors() == {"lost_events": 0, "map_full": 0, "read": 0, "tail_call": 5}
+        prog.name_errors({2: "tail_call"})  # naming a slot again the same way is fine
+        for clash in ({2: "other"}, {3: "map_full"}, {3: "lost_events"}, {-1: "x"}, {3: "Bad Name"}):
+            with pytest.raises(ValueError):
+                prog.name_errors(clash)
+    finally:
+        prog.close()
+
+
+def test_load_function_and_prog_array_install_a_tail_call() -> None:
+    prog = Program.load("http2_frames")
+    try:
+        fd = prog.load_function("h2_walk", "tracepoint")
+        assert fd > 2 and os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:bpf-prog"
+        assert prog.load_function("h2_walk", "tracepoint") == fd  # loaded once
+        prog.set_prog_array("walkers", 0, fd)
+        with pytest.raises(BPFUnavailable, match="out of range"):
+            prog.set_prog_array("walkers", 1, fd)  # BPF_PROG_ARRAY(walkers, 1)
+        with pytest.raises(BPFUnavailable, match="walkers"):
+            prog.set_prog_array("walkers", 0, 0)  # fd 0 is not a BPF program
+        with pytest.raises(ValueError):
+            prog.set_prog_array("walkers", -1, fd)
+        with pytest.raises(KeyError):
+            prog.set_prog_array("no_such_map", 0, fd)
+        with pytest.raises(BPFUnavailable, match="no_such_function"):
+            prog.load_function("no_such_function")
+        with pytest.raises(ValueError):
+            prog.load_function("h2_walk", "lsm")
+    finally:
+        prog.close()
+
+
+def test_load_function_rejected_by_the_verifier_is_bpf_unavailable() -> None:
+    # walkers belongs to the tracepoint programs: a kprobe program may not tail-call through it.
+    prog = Program.load("http2_frames")
+    try:
+        with pytest.raises(BPFUnavailable) as info:
+            prog.load_function("h2_walk", "kprobe")
+        assert "h2_walk" in info.value.reason and "Invalid argument" in info.value.reason
+    finally:
+        prog.close()
+
+
+def _libc_path(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        path = line.split()[-1]
+        if "/libc.so" in path or "/libc-" in path:
+            return path
+    raise AssertionError(f"pid {pid} maps no libc")
+
+
+def test_detach_uprobes_of_one_pid_after_it_exited() -> None:
+    children = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    prog = Program.load("cuda_alloc")
+    try:
+        for child in children:
+            _wait_for(lambda child=child: "libc" in Path(f"/proc/{child.pid}/maps").read_text())
+            library = f"/proc/{child.pid}/root{_libc_path(child.pid)}"
+            prog.attach_uretprobe(library, "malloc", "ret_mem_alloc", child.pid)
+            prog.attach_uprobe(library, "malloc", "on_mem_alloc", child.pid)
+        assert len(prog.attached) == 4
+        gone, alive = children
+        gone.kill()
+        gone.wait()
+        assert not Path(f"/proc/{gone.pid}").exists()  # /proc/PID/root, the attach path, is gone too
+        assert prog.detach_uprobes(gone.pid) == 2
+        assert prog.detach_uprobes(gone.pid) == 0
+        assert len(prog.attached) == 2 and all(f"/proc/{alive.pid}/" in what for what in prog.attached)
+        assert prog.detach_uprobes(alive.pid) == 2
+        assert prog.attached == []
+    finally:
+        prog.close()
+        for child in children:
+            child.kill()
+            child.wait()
+
+
+# -- a compiler that exits instead of returning an error ------------------------------------
+
+_BIG_STACK = """
+#include <uapi/linux/ptrace.h>
+int big_stack(struct pt_regs *ctx)
+{
+    volatile char buf[600];  /* over the BPF stack limit of 512 bytes */
+    for (int i = 0; i < 600; i++)
+        buf[i] = i;
+    return buf[bpf_get_prandom_u32() % 600];
+}
+"""
+
+_LOAD_FROM = """
+import sys
+from pathlib import Path
+import llmdiag.bpf.loader as loader
+loader.BPF_DIR = Path(sys.argv[1])
+try:
+    loader.Program.load("big_stack")
+except loader.BPFUnavailable as exc:
+    print(f"BPFUnavailable: {exc.reason}", file=sys.stderr)
+    sys.exit(3)
+print("loaded")
+"""
+
+
+def test_llvm_exiting_during_compile_still_says_why(tmp_path: Path) -> None:
+    (tmp_path / "big_stack.bpf.c").write_text(_BIG_STACK)
+    proc = subprocess.run([sys.executable, "-c", _LOAD_FROM, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    # LLVM 14-16 exit(1) here; a bcc that returns the error instead gives BPFUnavailable (exit 3).
+    assert proc.returncode != 0 and "loaded" not in proc.stdout
+    assert "stack limit of 512 bytes" in proc.stderr, proc.stderr
+
+
+_EXIT_INSIDE_CAPTURE = """
+import ctypes, os, sys
+from llmdiag.bpf import features
+for _ in range(50):  # captures that end normally leave no exit handler behind
+    with features.captured_stderr() as captured:
+        os.write(2, b"quiet")
+    assert captured.text == "quiet"
+if sys.argv[1] == "exit":
+    with features.captured_stderr():
+        os.write(2, b"fatal: what the compiler said\\n")
+        ctypes.CDLL(None).exit(7)  # as LLVM does: the C library's exit, no Python unwinding
+"""
+
+
+def test_exit_inside_a_stderr_capture_writes_the_capture_out() -> None:
+    died = subprocess.run([sys.executable, "-c", _EXIT_INSIDE_CAPTURE, "exit"],
+                          capture_output=True, text=True, timeout=60)
+    assert died.returncode == 7
+    assert "fatal: what the compiler said" in died.stderr and "quiet" not in died.stderr
+    clean = subprocess.run([sys.executable, "-c", _EXIT_INSIDE_CAPTURE, "normal"],
+                           capture_output=True, text=True, timeout=60)
+    assert clean.returncode == 0 and clean.stderr == ""

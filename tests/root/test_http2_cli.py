@@ -11,7 +11,7 @@ from concurrent import futures
 
 import pytest
 
-grpc = pytest.importorskip("grpc")
+import grpc  # noqa: E402 - a dev dependency: a missing grpcio must fail CI, not skip it
 
 pytestmark = pytest.mark.root
 

@@ -15,7 +15,7 @@ import pytest
 from llmdiag.config.http2 import Http2Config
 from llmdiag.model import Backend, Labelled
 
-grpc = pytest.importorskip("grpc")
+import grpc  # noqa: E402 - a dev dependency: a missing grpcio must fail CI, not skip it
 
 pytestmark = pytest.mark.root
 

@@ -150,5 +150,9 @@ def test_cli_unknown_collector_is_a_clear_error(capsys) -> None:
         width = None
 
     config = Config.from_toml('[agent]\ncollectors = ["nosuch"]\ndiscover = false\n')
-    assert run(Args(), config) == 2
+    assert run(Args(), config) == 64  # EX_USAGE: never confused with 2 = critical
     assert "nosuch" in capsys.readouterr().err
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        Args.duration = bad
+        assert run(Args(), config) == 64
+        assert "--duration must be a positive number" in capsys.readouterr().err

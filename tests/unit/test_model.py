@@ -124,7 +124,7 @@ def test_snapshot_round_trip() -> None:
 @pytest.mark.parametrize("text, message", [
     ("[]", "JSON object"),
     ('{"schema": "llmdiag.snapshot/v0", "ts": 1}', "unknown snapshot schema"),
-    ('{"schema": "llmdiag.snapshot/v1"}', "no numeric 'ts'"),
+    ('{"schema": "llmdiag.snapshot/v1"}', "no finite numeric 'ts'"),
     ('{"schema": "llmdiag.snapshot/v1", "ts": 1, "backends": {"a": {"x": "high"}}}', "backends[a].x"),
     ('{"schema": "llmdiag.snapshot/v1", "ts": 1, "collectors": {"a": {"status": "fine"}}}', "bad collector status"),
     ("{not json", "not JSON"),
@@ -208,3 +208,41 @@ def test_diagnosis_and_penalties_round_trip() -> None:
 def test_na_behaves_as_nan_and_prints_na() -> None:
     assert str(NA) == "N/A" and f"{NA:>6.1f}" == "   N/A"
     assert math.isnan(NA + 1) and not NA and NA == NA and NA != 0
+
+
+@pytest.mark.parametrize("value", [1e400, -1e400, 10**400, float("nan")])
+def test_non_finite_and_huge_numbers_decode_as_na(value: float) -> None:
+    # JSON can carry them (1e400 parses to inf); they are not measurements and must not
+    # reach an analyzer that would raise OverflowError on float() or int().
+    assert decode_value(value) is None
+    assert decode_value({"p50": value, "p99": 1.0}) == Distribution(p50=None, p99=1.0)
+
+
+@pytest.mark.parametrize("doc, where", [
+    ({"host": []}, "host: expected an object"),
+    ({"host": {"destinations": []}}, "host.destinations: expected an object"),
+    ({"backends": {"a": "x"}}, r"backends\[a\]: expected an object"),
+    ({"backends": {"a": {"engines": []}}}, r"backends\[a\].engines: expected an object"),
+    ({"collectors": {"engine": "ok"}}, r"collectors\[engine\]: expected an object"),
+    ({"ts": float("nan")}, "no finite numeric 'ts'"),
+    ({"ts": True}, "no finite numeric 'ts'"),
+])
+def test_malformed_structure_is_a_snapshot_error(doc: dict, where: str) -> None:
+    with pytest.raises(SnapshotError, match=where):
+        Snapshot.from_json({"schema": "llmdiag.snapshot/v1", "ts": 1.0, **doc})
+
+
+def test_binary_or_broken_gzip_recordings_are_snapshot_errors(tmp_path: Path) -> None:
+    binary = tmp_path / "rec.jsonl"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    with pytest.raises(SnapshotError, match="not a text recording"):
+        list(read_snapshots(binary))
+    broken = tmp_path / "rec.jsonl.gz"
+    broken.write_bytes(gzip.compress(_snapshot().dumps().encode() + b"\n")[:-12])
+    with pytest.raises(SnapshotError, match="broken gzip"):
+        list(read_snapshots(broken))
+
+
+def test_one_penalty_combines_to_itself() -> None:
+    assert combine_penalties([0.2]) == 0.2
+    assert combine_penalties([0.1, 0.1]) == 0.19

@@ -165,7 +165,7 @@ def test_cli_bench_sim_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_bench_sim_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401 - a dependency: its absence must fail, not skip
     from llmdiag.cli.main import main
 
     rc = main(["bench", "sim", "--policies", "round_robin", "--instances", "2", "--duration", "15",
