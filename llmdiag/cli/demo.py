@@ -2,7 +2,7 @@
 
 It starts the demo fleet (three fake vLLM engines on 127.0.0.1 behind a naive
 round-robin load; at ``--fault-at`` seconds ``vllm-2`` loses most of its KV
-cache and its GPU throttles), runs the real collectors and analyzers on it once
+cache and slows down as a throttled GPU would), runs the real collectors and analyzers on it once
 a second, feeds the results into the scoring balancer, and shows a live table:
 queue, KV usage, TTFT, the penalty, the routing score and weight, and the open
 diagnoses. At the end it prints the diagnosis report (exit code as
@@ -90,7 +90,7 @@ def handle(args: argparse.Namespace, config: Config) -> int:
     fleet = DemoFleet(default_fleet(fault_at=args.fault_at), rate_rps=args.rate)
     console = Console()
     console.print(f"starting the demo fleet: 3 fake vLLM engines on 127.0.0.1, {args.rate:g} req/s round robin; "
-                  f"vllm-2 loses 75 % of its KV cache and throttles at {args.fault_at:g} s")
+                  f"vllm-2 loses 75 % of its KV cache and slows to 0.35x at {args.fault_at:g} s")
     fleet.start()
     try:
         backends = [Backend.from_url(url, name=name, engine="vllm", models=(fleet.model,))

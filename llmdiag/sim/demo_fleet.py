@@ -2,7 +2,7 @@
 
 This is what ``llmdiag demo`` watches when no real engines are at hand. It is
 the situation from the seed articles: a round-robin gateway keeps feeding an
-engine whose KV cache shrank and whose GPU throttles, while ``/health`` keeps
+engine whose KV cache shrank and whose steps slowed down (a throttled GPU), while ``/health`` keeps
 answering 200. Everything is real except the GPUs: real HTTP servers on
 127.0.0.1 speaking the OpenAI API with vLLM-named ``/metrics``
 (:mod:`llmdiag.sim.fake_engine`), and a load generator that streams
@@ -43,7 +43,7 @@ class FleetEngine:
 
 
 def default_fleet(fault_at: float = 15.0) -> list[FleetEngine]:
-    """Three engines; ``vllm-2`` loses most of its KV cache and throttles at ``fault_at`` seconds."""
+    """Three engines; ``vllm-2`` loses most of its KV cache and slows to 0.35x at ``fault_at`` seconds."""
     bad = parse_faults(f"kv_shrink:start={fault_at},factor=0.25;slowdown:start={fault_at},speed=0.35")
     return [FleetEngine("vllm-0"), FleetEngine("vllm-1"), FleetEngine("vllm-2", faults=bad)]
 
