@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from llmdiag.collectors.base import Collector, GuardedCollector, collect_snapshot
+from llmdiag.collectors.discovery import discover_engines, local_backend_pids
 from llmdiag.collectors.gpu import build_gpu_collector
 from llmdiag.collectors.procfs import build_proc_collector
 from llmdiag.config import Config
@@ -88,11 +89,16 @@ def _timewait_factory(config: Config, backends: list[Backend]) -> Collector:
 def resolve_backends(config: Config) -> list[Backend]:
     """Configured backends (``[[backends]]`` or ``--backend``), else engines discovered on local ports."""
     backends = config.backend_list()
-    if backends or not config.agent.discover:
-        return backends
-    try:
-        from llmdiag.collectors.discovery import discover_engines  # noqa: PLC0415
-    except ImportError:
+    if backends:
+        # `--backend http://127.0.0.1:8000` carries no pid: find the local process listening
+        # on that port, so the /proc, GPU and CUDA collectors can attach to it.
+        try:
+            pids = local_backend_pids(backends)
+        except Exception as exc:  # noqa: BLE001 - best effort; collectors then see no pid
+            log.warning("finding the processes of the configured backends failed: %s", exc)
+            pids = {}
+        return [b.with_process(pids[b.name], b.gpus) if b.name in pids and not b.pid else b for b in backends]
+    if not config.agent.discover:
         return []
     try:
         return list(discover_engines())

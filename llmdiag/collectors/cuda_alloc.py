@@ -56,7 +56,7 @@ from typing import Any
 from llmdiag.bpf import features
 from llmdiag.bpf.loader import BPFUnavailable, Program
 from llmdiag.collectors.cuda_libs import ElfError, MappedLibrary, descendants, exported_functions, find_library
-from llmdiag.collectors.discovery import listening_sockets, socket_owners
+from llmdiag.collectors.discovery import local_backend_pids
 from llmdiag.config import Config
 from llmdiag.config.cuda import CudaConfig
 from llmdiag.model import Backend, CollectorState, CollectorStatus, Labelled, Sample, Scope, label_key
@@ -106,8 +106,6 @@ _COUNTERS = (
 )
 
 _MAX_INFLIGHT = 16384
-_WILDCARD = frozenset({"0.0.0.0", "::"})
-_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "::ffff:127.0.0.1"})
 
 
 def program_defines(config: CudaConfig) -> dict[str, int]:
@@ -226,22 +224,7 @@ class CudaAllocCollector:
     def _backend_pids(self) -> dict[str, int]:
         """Backend name -> pid: ``Backend.pid`` when discovery filled it, else the local process
         listening on the backend's port (``--backend http://127.0.0.1:8000`` carries no pid)."""
-        pids = {b.name: b.pid for b in self.backends if b.pid}
-        unresolved = [b for b in self.backends if not b.pid]
-        if unresolved:
-            listening = listening_sockets(self.proc_root)
-            wanted: dict[int, str] = {}
-            for b in unresolved:
-                for sock in listening:
-                    # A wildcard listener is this backend only when the backend is addressed
-                    # through loopback; for another address it may be a different host's engine.
-                    if sock.port == b.port and (sock.host == b.host
-                                                or b.host in _LOOPBACK and sock.host in _LOOPBACK | _WILDCARD):
-                        wanted[sock.inode] = b.name
-                        break
-            for inode, pid in socket_owners(wanted, self.proc_root).items():
-                pids[wanted[inode]] = pid
-        return pids
+        return local_backend_pids(self.backends, self.proc_root)
 
     def _exports(self, path: str) -> set[str]:
         st = os.stat(path)

@@ -191,3 +191,34 @@ def discover_engines(
             if backend is not None:
                 found.append(backend)
     return found
+
+
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "::ffff:127.0.0.1"})
+_WILDCARD = frozenset({"0.0.0.0", "::"})
+
+
+def local_backend_pids(backends: Iterable[Backend], proc_root: str | os.PathLike[str] = "/proc") -> dict[str, int]:
+    """Backend name -> pid of the local process listening on its port.
+
+    ``Backend.pid`` wins where it is set. Otherwise a listener on the backend's port counts
+    when its address is the backend's, or when the backend is addressed through loopback
+    and the listener is on loopback or a wildcard address: for another address a wildcard
+    listener may belong to a different host's engine, so it is not guessed at.
+    Backends without a local listener are left out.
+    """
+    backends = list(backends)
+    pids = {b.name: b.pid for b in backends if b.pid}
+    unresolved = [b for b in backends if not b.pid]
+    if not unresolved:
+        return pids
+    listening = listening_sockets(proc_root)
+    wanted: dict[int, str] = {}
+    for b in unresolved:
+        for sock in listening:
+            if sock.port == b.port and (sock.host == b.host or b.host in _LOOPBACK and sock.host in _LOOPBACK | _WILDCARD):
+                wanted[sock.inode] = b.name
+                break
+    for inode, pid in socket_owners(wanted, proc_root).items():
+        pids[wanted[inode]] = pid
+    return pids
+

@@ -101,3 +101,24 @@ def test_discover_on_the_real_proc_finds_our_own_server_and_pid():
     with ScriptedServer({"/metrics": [VLLM]}) as vllm:
         found = discover_engines(proc_root="/proc", timeout=0.5, ports=[vllm.port])
     assert [(b.port, b.engine, b.pid) for b in found] == [(vllm.port, "vllm", os.getpid())]
+
+
+def test_configured_loopback_backend_gets_the_pid_of_its_listener() -> None:
+    """`--backend http://127.0.0.1:PORT` is resolved to the local process listening there (this one)."""
+    import os
+    import socket as socketlib
+
+    from llmdiag.cli import wiring
+    from llmdiag.collectors.discovery import local_backend_pids
+    from llmdiag.config import Config
+    from llmdiag.model import Backend
+
+    with socketlib.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        (backend,) = wiring.resolve_backends(Config().with_backends([f"http://127.0.0.1:{port}"]))
+        assert backend.pid == os.getpid()
+        assert local_backend_pids([Backend.from_url(f"http://localhost:{port}")]) == {f"localhost:{port}": os.getpid()}
+        # Another host's address is never guessed at, even on the same port.
+        assert local_backend_pids([Backend.from_url(f"http://10.255.0.1:{port}")]) == {}
