@@ -2,7 +2,7 @@
 
 API (what the agent, ``llmdiag diagnose`` and the TUI use)::
 
-    analyzer = Analyzer(config, backends=None)   # Config or DiagnosisConfig; Backend list for GPU mapping
+    analyzer = Analyzer(config, backends=None)   # Config or DiagnosisConfig; Backend list (addresses, GPU override)
     result = analyzer.observe(snapshot)          # -> AnalysisResult, once per tick
     result.open        # diagnoses open after this tick (tuple[Diagnosis])
     result.opened      # opened this tick
@@ -37,10 +37,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from llmdiag.analyzers.baseline import Baselines
-from llmdiag.analyzers.context import Context
+from llmdiag.analyzers.context import Context, gpus_from_processes
 from llmdiag.analyzers.penalties import BackendHealth, backend_health
 from llmdiag.analyzers.rules import RULES, Finding, Rule
 from llmdiag.analyzers.windows import WindowStore, is_counter
+from llmdiag.collectors.timewait import backend_destination
 from llmdiag.config import Config
 from llmdiag.config.analyzers import DiagnosisConfig
 from llmdiag.model import Backend, Diagnosis, Distribution, Labelled, Signals, Snapshot
@@ -87,8 +88,14 @@ class Analyzer:
             diag = config or DiagnosisConfig()
         self.config: DiagnosisConfig = diag
         known = list(backends or ())
-        self._gpus_by_backend = {b.name: tuple(str(g) for g in b.gpus) for b in known}
-        self._backend_by_address = {b.address: b.name for b in known}
+        # Backend.gpus is an override (config/discovery); without it the GPUs come from the gpu
+        # collector's per-backend process_memory_bytes{gpu,pid}: GPU -> the backends last seen
+        # holding memory on it, so a GPU that falls off the bus (and so out of NVML's process
+        # list) stays its backend's until another backend's processes show up on it.
+        self._gpus_by_backend = {b.name: tuple(str(g) for g in b.gpus) for b in known if b.gpus}
+        self._gpu_holders: dict[str, frozenset[str]] = {}
+        # The same ip:port key the timewait and tcp collectors use (host names resolved once).
+        self._destination_of = {b.name: backend_destination(b) for b in known}
         self.rules: list[Rule] = [cls(diag.rule(kind)) for kind, cls in RULES.items() if diag.rule(kind).enabled]
         self.enforced = {kind: diag.rule(kind).enforce for kind in RULES}
         self.windows = WindowStore(diag.window_seconds)
@@ -118,7 +125,7 @@ class Analyzer:
         self._last_ts = now
         self._record(snapshot)
         self.windows.advance(now)
-        ctx = Context(snapshot, self.windows, self.baselines, self.config, self._gpus_by_backend, self._backend_by_address)
+        ctx = Context(snapshot, self.windows, self.baselines, self.config, self._gpu_map(snapshot), self._destination_of)
         frozen = {subject for (_, subject, _), t in self._tracks.items() if t.opened_at is not None or t.pending_since is not None}
         opened: list[Diagnosis] = []
         closed: list[Diagnosis] = []
@@ -154,6 +161,21 @@ class Analyzer:
         return self._last
 
     # -- internals -----------------------------------------------------------
+    def _gpu_map(self, snapshot: Snapshot) -> dict[str, tuple[str, ...]]:
+        """Backend -> GPU indices: Backend.gpus where given, else the GPUs its processes were
+        last seen on (gpu collector's backend-scope process_memory_bytes{gpu,pid})."""
+        claims: dict[str, set[str]] = {}
+        for name, signals in snapshot.backends.items():
+            for gpu in gpus_from_processes(signals):
+                claims.setdefault(gpu, set()).add(name)
+        for gpu, names in claims.items():
+            self._gpu_holders[gpu] = frozenset(names)
+        derived: dict[str, list[str]] = {}
+        for gpu in sorted(self._gpu_holders, key=lambda g: (len(g), g)):
+            for name in self._gpu_holders[gpu]:
+                derived.setdefault(name, []).append(gpu)
+        return {**{b: tuple(gs) for b, gs in derived.items()}, **self._gpus_by_backend}
+
     def _step(
         self,
         rule: Rule | None,

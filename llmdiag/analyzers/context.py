@@ -7,6 +7,14 @@ rolling windows, whose series keys are built by :func:`series_key`:
 ``d/<ip:port>/<signal>``, ``h//<signal>``. A distribution is recorded as
 ``<signal>.p50|.p99|.ewma``, a labelled signal as ``<signal>{<labels>}`` per
 label string plus ``<signal>`` for the sum.
+
+Which GPUs serve a backend (:meth:`Context.gpus_for`): ``Backend.gpus`` when
+config or discovery filled it (an override), else the GPUs last named in the
+backend-scope ``process_memory_bytes{gpu,pid}`` that the gpu collector emits
+for backends whose processes hold GPU memory (the analyzer remembers them, so a
+lost GPU stays attributed), else every GPU when the snapshot has a single backend. A backend's destination (:meth:`Context.destination_of`)
+is :func:`llmdiag.collectors.timewait.backend_destination`, the key the
+timewait and tcp collectors file its ``host.destinations`` signals under.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from llmdiag.analyzers.windows import WindowStore, series_key
 from llmdiag.config.analyzers import DiagnosisConfig
 from llmdiag.model import HOST, Distribution, Labelled, Snapshot, parse_label_key
 
-__all__ = ["Context", "number"]
+__all__ = ["Context", "gpus_from_processes", "number"]
 
 
 def number(value: Any) -> float | None:
@@ -29,6 +37,23 @@ def number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if math.isfinite(value) else None
+
+
+def gpus_from_processes(signals: Mapping[str, Any]) -> tuple[str, ...]:
+    """GPU indices named by a backend's ``process_memory_bytes`` (``{"gpu=0,pid=4101": bytes}``,
+    the gpu collector's per-backend attribution), sorted numerically; ``()`` without it."""
+    value = signals.get("process_memory_bytes")
+    if not isinstance(value, Labelled):
+        return ()
+    gpus = set()
+    for key in value:
+        try:
+            gpu = parse_label_key(key).get("gpu")
+        except ValueError:
+            continue
+        if gpu:
+            gpus.add(gpu)
+    return tuple(sorted(gpus, key=lambda g: (len(g), g)))
 
 
 class Context:
@@ -39,7 +64,7 @@ class Context:
         baselines: Baselines,
         config: DiagnosisConfig,
         gpus_by_backend: Mapping[str, tuple[str, ...]],
-        backend_by_address: Mapping[str, str],
+        destination_of: Mapping[str, str],
     ) -> None:
         self.snapshot = snapshot
         self.now = snapshot.ts
@@ -47,7 +72,8 @@ class Context:
         self.baselines = baselines
         self.config = config
         self._gpus_by_backend = gpus_by_backend
-        self._backend_by_address = backend_by_address
+        self._destination_of = destination_of
+        self._backend_by_destination = {d: b for b, d in destination_of.items()}
         self._baseline_cache: dict[str, float | None] = {}
         self._owners: dict[str, str] | None = None
         #: (subject, key, value) updates applied after the tick unless the subject is frozen.
@@ -59,8 +85,9 @@ class Context:
         return sorted(self.snapshot.backends)
 
     def gpus_for(self, backend: str) -> tuple[str, ...]:
-        """The GPU indices serving ``backend``: from the configured/discovered backends, or
-        every GPU when the snapshot has exactly one backend; else none known."""
+        """The GPU indices serving ``backend``: ``Backend.gpus`` (override), else the GPUs its
+        processes held memory on (gpu collector, last seen), else every GPU when the snapshot
+        has exactly one backend; else none known."""
         known = self._gpus_by_backend.get(backend)
         if known:
             return tuple(g for g in known if g in self.snapshot.gpus)
@@ -80,7 +107,15 @@ class Context:
         return self._owners.get(gpu, HOST)
 
     def backend_at(self, destination: str) -> str | None:
-        return self._backend_by_address.get(destination)
+        """The backend whose ``ip:port`` destination key is ``destination``, if any."""
+        return self._backend_by_destination.get(destination)
+
+    def destination_of(self, backend: str) -> str | None:
+        """``backend``'s key in ``snapshot.destinations`` (``None`` for a backend not configured)."""
+        return self._destination_of.get(backend)
+
+    def destination(self, destination: str, signal: str) -> float | None:
+        return number(self.snapshot.destinations.get(destination, {}).get(signal))
 
     # -- current values ----------------------------------------------------
     def backend(self, backend: str, signal: str) -> float | None:

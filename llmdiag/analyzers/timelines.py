@@ -14,6 +14,13 @@ one-off counter bumps and counter resets, then advances time::
 
 :data:`SCENARIOS` names a builder per catalog entry (positive: the kind must
 open on the faulty backend) and per trap (negative: nothing may open).
+
+Signals have the shapes and scopes the collectors really emit (checked by
+tests/unit/test_signal_contract.py): a backend's GPUs are known only from the
+gpu collector's backend-scope ``process_memory_bytes{gpu,pid}`` (the
+:meth:`TimelineBuilder.backends` carry an address and a pid, no ``gpus``),
+``timewait_entry_rate`` exists per destination only, HTTP/2 counters carry
+``code,direction`` labels, and ``requests_finished_total`` the engines' reasons.
 """
 
 from __future__ import annotations
@@ -122,7 +129,6 @@ class TimelineBuilder:
         self.host = Subject().set(
             psi_cpu_some_avg10=0.02, psi_io_some_avg10=0.0, psi_io_full_avg10=0.0, psi_memory_full_avg10=0.0,
             conntrack_entries=1800.0, conntrack_max=262144.0, sockstat_tcp_inuse=120.0, sockstat_tcp_tw=40.0,
-            timewait_entry_rate=0.5,
         )
         self._backends: dict[str, Subject] = {}
         self._engines: dict[str, dict[str, Subject]] = {}
@@ -149,11 +155,19 @@ class TimelineBuilder:
         return self._destinations.setdefault(address, Subject())
 
     def backends(self) -> list[Backend]:
-        """The backends as config/discovery would know them (address and GPU per backend)."""
+        """The backends as config/discovery know them in production: address and pid, no GPUs
+        (those come from the gpu collector's per-backend process memory in each snapshot)."""
         return [
-            Backend(name=n, url=f"http://127.0.0.1:{8000 + i}", engine="vllm", gpus=(int(self._gpu_of[n]),))
+            Backend(name=n, url=f"http://127.0.0.1:{8000 + i}", engine="vllm", pid=_pid(i))
             for i, n in enumerate(self.backend_names)
         ]
+
+    def _gpu_attribution(self, index: int, name: str) -> dict[str, object]:
+        """What the gpu collector emits for a backend whose pid holds GPU memory."""
+        gpu = self._gpu_of[name]
+        used = _process_bytes(self._gpus[gpu].gauges.get("memory_used_bytes"))
+        per_process = Labelled({label_key(gpu=gpu, pid=str(_pid(index))): used})
+        return {"gpu_memory_bytes": per_process.total(), "process_memory_bytes": per_process}
 
     # -- time ------------------------------------------------------------------
     def advance(self, seconds: float, gap: bool = False) -> TimelineBuilder:
@@ -172,19 +186,33 @@ class TimelineBuilder:
         snap.host = self.host._tick(dt)  # type: ignore[assignment]
         for d, s in self._destinations.items():
             snap.destinations[d] = s._tick(dt)  # type: ignore[assignment]
-        for name, s in self._backends.items():
+        for i, (name, s) in enumerate(self._backends.items()):
             signals = s._tick(dt)
             if s.absent:  # scrape failed: the engine collector says so and gives nothing else
                 signals = {"up": 0.0}
+            signals.update(self._gpu_attribution(i, name))
             snap.backends[name] = signals  # type: ignore[assignment]
         for name, engines in self._engines.items():
             for label, s in engines.items():
                 snap.engines.setdefault(name, {})[label] = s._tick(dt)  # type: ignore[assignment]
         for i, s in self._gpus.items():
-            snap.gpus[i] = s._tick(dt)  # type: ignore[assignment]
+            signals = s._tick(dt)
+            pids = {_pid(j): self._gpus[g].gauges.get("memory_used_bytes") for j, (n, g) in enumerate(self._gpu_of.items()) if g == i}
+            signals.setdefault("process_memory_bytes", Labelled({label_key(pid=str(p)): _process_bytes(m) for p, m in pids.items()}))
+            snap.gpus[i] = signals  # type: ignore[assignment]
         for c in ("engine", "tcp", "timewait", "http2", "gpu", "procfs"):
             snap.collectors[c] = CollectorStatus(CollectorState.OK, None, self.now)
         return snap
+
+
+def _pid(index: int) -> int:
+    return 4100 + 100 * index
+
+
+def _process_bytes(memory_used: object) -> float:
+    # The engine's process holds what NVML shows as used minus the driver's own ~540 MiB.
+    used = memory_used if isinstance(memory_used, (int, float)) else 72.0 * GIB
+    return float(used) - 540 * (1 << 20)
 
 
 def _healthy_backend() -> Subject:
@@ -204,7 +232,7 @@ def _healthy_backend() -> Subject:
     s.rate("tcp_peer_closes_total", 0.1).rate("tcp_active_closes_total", 0.1)
     s.rate("h2_streams_opened_total", 4.0).rate("h2_streams_closed_total", 4.0)
     s.rate("h2_rst_stream_total", 0.05, code="CANCEL", direction="received")
-    s.rate("h2_flow_control_stalls_total", 0.0)
+    s.rate("h2_flow_control_stalls_total", 0.0).rate("h2_stall_then_reset_total", 0.0)
     s.rate("io_read_bytes_total", 1e5).rate("io_rchar_total", 2e5).rate("cpu_seconds_total", 1.2)
     return s
 
@@ -331,17 +359,20 @@ def grpc_flow_control_stall() -> TimelineBuilder:
     for _ in range(3):
         b.bump("h2_flow_control_stalls_total", 2)
         t.advance(1)
-        b.bump("h2_rst_stream_total", 1, code="FLOW_CONTROL_ERROR", direction="sent")
+        # the stalled stream's consumer cancels; the http2 collector joins it to the stall on its connection
+        b.bump("h2_rst_stream_total", 1, code="CANCEL", direction="received").bump("h2_stall_then_reset_total", 1)
         t.advance(3)
     return t.advance(2)
 
 
 def stall_without_reset() -> TimelineBuilder:
-    t = _warm()  # stalls that resolve (the reader caught up): no reset follows
+    t = _warm()  # stalls that resolve (the reader caught up); the routine cancels go on, on other connections
     b = t.backend("vllm-0")
     for _ in range(3):
         b.bump("h2_flow_control_stalls_total", 2)
-        t.advance(4)
+        t.advance(1)
+        b.bump("h2_rst_stream_total", 1, code="CANCEL", direction="received")
+        t.advance(3)
     return t.advance(2)
 
 
@@ -353,9 +384,10 @@ def network_degradation() -> TimelineBuilder:
 
 def gpu_memory_pressure() -> TimelineBuilder:
     t = _warm()
-    t.gpu(0).set(memory_used_bytes=79.5 * GIB).rate("cuda_alloc_failures_total", 0.0)
+    t.gpu(0).set(memory_used_bytes=79.5 * GIB)
+    t.backend("vllm-0").rate("cuda_alloc_failures_total", 0.0)  # the cuda tracer counts per backend
     t.advance(2)
-    t.gpu(0).bump("cuda_alloc_failures_total", 3)
+    t.backend("vllm-0").bump("cuda_alloc_failures_total", 3)
     return t.advance(5)
 
 

@@ -20,6 +20,10 @@ turns its cumulative counters into per-backend samples
 ``h2_settings_total``            Labelled ``direction=...``
 ``h2_send_eagain_total``         sends on HTTP/2 connections that returned EAGAIN
 ``h2_parse_resyncs_total``       times the walker lost its place (invalid header, too many frames)
+``h2_stall_then_reset_total``    RST_STREAM/GOAWAY frames (either direction) on a connection where a
+                                 flow-control stall ended at most ``stall_reset_window_seconds``
+                                 before (or the reset stream itself was stalled): the per-connection
+                                 join behind the ``grpc_flow_control_stall`` diagnosis
 =============================== ==================================================================
 
 Directions are the backend's: ``received`` = the client sent it. Counters are
@@ -94,8 +98,14 @@ class Http2Collector:
         proc_root: str | os.PathLike[str] = "/proc",
         clock: Callable[[], float] = time.time,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
+        stall_reset_window_seconds: float = 2.0,
     ) -> None:
         self.config = config or Http2Config()
+        self.stall_reset_window_seconds = stall_reset_window_seconds
+        #: (pid, fd) -> (stall count last seen, wall time it was first seen that high)
+        self._conn_stalls: dict[tuple[int, int], tuple[int, float | None]] = {}
+        #: port -> RST_STREAM/GOAWAY frames that followed a stall on their connection (cumulative)
+        self._stall_resets: dict[int, int] = {}
         self.kernel = kernel
         self.proc_root = proc_root
         self.clock = clock
@@ -133,6 +143,7 @@ class Http2Collector:
         self._take_events()
         stats = self.kernel.read_stats()
         conns = self.kernel.read_connections()
+        self._note_stalls(conns, self.clock())
         listening = {port for ports in self._pid_ports.values() for port in ports}
         samples: list[Sample] = []
         missing = []
@@ -143,6 +154,7 @@ class Http2Collector:
                 continue  # never traced: no numbers, not zeros
             # A backend that stopped listening (shutdown with grace) keeps its counters.
             signals = _backend_signals(port, stats, conns)
+            signals["h2_stall_then_reset_total"] = self._stall_resets.get(port, 0)
             for name in names:
                 samples.extend(Sample(Scope.BACKEND, name, signal, value) for signal, value in signals.items())
         self._problem = (
@@ -155,7 +167,42 @@ class Http2Collector:
         mono_now = self.monotonic_ns()
         wall_now = self.clock()
         for raw in self.kernel.poll_events():
-            self._events.append(_event(raw, self._backends_by_port, wall_now - (mono_now - raw.ts_ns) / 1e9))
+            event = _event(raw, self._backends_by_port, wall_now - (mono_now - raw.ts_ns) / 1e9)
+            self._events.append(event)
+            self._join_stall(event)
+
+    # -- stall -> reset, per connection ----------------------------------------------
+    def _join_stall(self, event: H2Event) -> None:
+        """Count ``event`` in ``h2_stall_then_reset_total`` when its connection stalled shortly before.
+
+        A stall is counted by the program when it *ends* (docs/http2.md), so the
+        connection's stall count is a clock of stall ends: a count higher than the last
+        one seen means a stall ended since that observation (a tick ago at most) or with
+        this very frame; a count seen rising within the window before the frame counts
+        too, and so does a reset stream whose own window was exhausted for a stall's length.
+        """
+        key = event.connection
+        seen, rise_ts = self._conn_stalls.get(key, (0, None))
+        if event.connection_stalls > seen:
+            seen, rise_ts = event.connection_stalls, event.ts
+            joined = True
+        else:
+            joined = event.stream_stalled_seconds >= self.config.stall_seconds or (
+                rise_ts is not None and event.ts - rise_ts <= self.stall_reset_window_seconds
+            )
+        self._conn_stalls[key] = (seen, rise_ts)
+        if joined:
+            self._stall_resets[event.port] = self._stall_resets.get(event.port, 0) + 1
+
+    def _note_stalls(self, conns: list[ConnectionCounters], wall_now: float) -> None:
+        """Record when each traced connection's stall count was first seen higher; forget closed ones."""
+        known: dict[tuple[int, int], tuple[int, float | None]] = {}
+        for c in conns:
+            seen, rise_ts = self._conn_stalls.get((c.pid, c.fd), (0, None))
+            if c.stalls > seen:
+                seen, rise_ts = c.stalls, wall_now
+            known[(c.pid, c.fd)] = (seen, rise_ts)
+        self._conn_stalls = known
 
     def recent_events(self, since: float | None = None, backend: str | None = None) -> list[H2Event]:
         """RST_STREAM/GOAWAY events (oldest first), optionally since a wall time and for one backend.
@@ -243,7 +290,9 @@ def build_http2_collector(config: Config, backends: list[Backend]) -> Http2Colle
     if not grpc_backends:
         raise BPFUnavailable("no grpc:// backends to trace", "pass --backend grpc://HOST:PORT or a [[backends]] grpc url")
     kernel = H2Kernel.load(config.http2)
-    collector = Http2Collector(grpc_backends, kernel, config.http2)
+    # One knob for the stall -> reset join: the diagnosis rule's follow_seconds.
+    window = config.diagnosis.rule("grpc_flow_control_stall").follow_seconds
+    collector = Http2Collector(grpc_backends, kernel, config.http2, stall_reset_window_seconds=window)
     try:
         collector.refresh()
     except Exception:

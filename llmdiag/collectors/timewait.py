@@ -40,7 +40,7 @@ from llmdiag.collectors.sockdiag import SockDiagError, dump_tcp
 from llmdiag.config.tcp import TimewaitConfig
 from llmdiag.model import Backend, CollectorState, CollectorStatus, Sample, Scope
 
-__all__ = ["ActiveCloseSource", "TimewaitCollector", "build_timewait_collector"]
+__all__ = ["ActiveCloseSource", "TimewaitCollector", "backend_destination", "build_timewait_collector"]
 
 log = logging.getLogger("llmdiag.collectors.timewait")
 
@@ -60,7 +60,15 @@ def _is_loopback(destination: str) -> bool:
         return False
 
 
-def _backend_destination(backend: Backend) -> str:
+def backend_destination(backend: Backend) -> str:
+    """The ``ip:port`` key under which the kernel (sock_diag, the tcp collector) and so the
+    ``host.destinations`` signals name connections to ``backend``.
+
+    A host name is resolved once (the kernel reports addresses); IPv4-mapped IPv6
+    addresses become plain IPv4 and IPv6 is bracketed. A name that cannot be resolved
+    stays ``name:port``. The analyzers use the same function to find a backend's
+    destination, so the two sides cannot disagree.
+    """
     host = backend.host
     try:
         ip = ipaddress.ip_address(host)
@@ -96,7 +104,7 @@ class TimewaitCollector:
         self.clock = clock
         self.diag = diag
         self.entry_source = entry_source
-        self.backend_destinations = {_backend_destination(b) for b in backends}
+        self.backend_destinations = {backend_destination(b) for b in backends}
         self._history: deque[tuple[float, dict[str, int]]] = deque()
         self._problems: list[str] = []
         self._last_ok_ts: float | None = None

@@ -209,7 +209,7 @@ class ConnectionChurnConfig(RuleConfig):
     #: Connections closed per request (no reuse ~ 1).
     ratio_enter: float = 0.8
     ratio_exit: float = 0.5
-    #: TIME_WAIT entries per second (backend active closes, else the host rate).
+    #: TIME_WAIT entries per second (backend active closes, or the backend destination's timewait_entry_rate).
     tw_rate_enter: float = 20.0
     #: Requests per second below which the ratio means nothing.
     min_request_rate: float = 1.0
@@ -224,9 +224,10 @@ class ConnectionChurnConfig(RuleConfig):
 class GrpcFlowControlStallConfig(RuleConfig):
     penalty: float = 0.2
     critical_penalty: float = 0.4
-    #: A stall followed within this many seconds by RST_STREAM/GOAWAY on the same connection/backend.
+    #: A stall followed within this many seconds by RST_STREAM/GOAWAY on the same connection
+    #: (the http2 collector does the per-connection join with this window).
     follow_seconds: float = 2.0
-    #: Matched stall -> reset pairs are counted over this window.
+    #: Resets that followed a stall (h2_stall_then_reset_total) are counted over this window.
     window_seconds: float = 10.0
     min_matches: int = 1
     #: This many matches in the window is critical.

@@ -136,6 +136,7 @@ def test_cancelled_streams_are_exactly_rst_cancel_received(server, collector_for
     assert all(e.stream_id % 2 == 1 and e.backend == "grpc-0" for e in events)
     assert len({e.connection for e in events}) == 1
     assert all(abs(e.ts - time.time()) < 30 for e in events)
+    assert signals["h2_stall_then_reset_total"] == 0  # plain cancels of flowing streams: no stall before them
 
 
 def test_expired_deadlines_reset_their_streams(server, collector_for) -> None:
@@ -202,6 +203,8 @@ def test_slow_consumer_stall_then_cancel_on_the_same_connection(server, collecto
     assert cancel.stream_stalled_seconds >= 0.5
     [conn] = [c for c in connections if (c.pid, c.fd) == cancel.connection]
     assert conn.stalls == cancel.connection_stalls and conn.rst_stream == 1
+    # the per-connection join the grpc_flow_control_stall diagnosis reads
+    assert signals["h2_stall_then_reset_total"] == 1
 
 
 def test_connection_older_than_the_collector_resyncs(server, collector_for) -> None:

@@ -140,8 +140,19 @@ def test_penalties_combine_and_build_the_document() -> None:
 
 
 def test_gpu_diagnosis_goes_to_host_when_gpus_cannot_be_attributed() -> None:
-    _, opened, _ = _run(SCENARIOS["gpu_fault"].build(), backends=False)
+    t = SCENARIOS["gpu_fault"].build()
+    for snap in t.snapshots:  # no backend pid known: the gpu collector attributes no process
+        for signals in snap.backends.values():
+            signals.pop("process_memory_bytes", None)
+            signals.pop("gpu_memory_bytes", None)
+    _, opened, _ = _run(t, backends=False)
     assert [(d.kind, d.backend) for d in opened] == [("gpu_fault", HOST)]
+
+
+def test_gpu_diagnosis_is_attributed_from_process_memory_alone() -> None:
+    # No Backend list at all: the gpu collector's process_memory_bytes{gpu,pid} names the owner.
+    _, opened, _ = _run(SCENARIOS["gpu_fault"].build(), backends=False)
+    assert [(d.kind, d.backend) for d in opened] == [("gpu_fault", "vllm-0")]
 
 
 def test_fault_severity_is_critical_and_penalty_large() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmdiag.analyzers import Analyzer, penalties_document
-from llmdiag.analyzers.timelines import SCENARIOS, TimelineBuilder
+from llmdiag.analyzers.timelines import SCENARIOS, TimelineBuilder, dist
 from llmdiag.config.analyzers import DiagnosisConfig
 from llmdiag.model import HOST, BackendState
 
@@ -24,24 +24,64 @@ def test_dp_engine_evidence_names_the_engine() -> None:
     assert d.evidence[0].signal == "engines[1].requests_waiting" and d.evidence[0].value == 36
 
 
-def _stall_then_reset(stall_conn: str, reset_conn: str) -> TimelineBuilder:
+def _stalls_and_resets(joined: int) -> TimelineBuilder:
+    # Three stalls, each followed a second later by a received CANCEL; the http2 collector
+    # joined ``joined`` of them to a stall on the same connection (h2_stall_then_reset_total).
     t = TimelineBuilder().advance(40)
     b = t.backend("vllm-0")
-    b.rate("h2_rst_stream_total", 0.0, code="CANCEL", conn=reset_conn, direction="received")
-    b.drop("h2_flow_control_stalls_total").rate("h2_flow_control_stalls_total", 0.0, conn=stall_conn)
-    t.advance(5)
-    b.bump("h2_flow_control_stalls_total", 1, conn=stall_conn)
-    t.advance(1)
-    b.bump("h2_rst_stream_total", 1, code="CANCEL", conn=reset_conn, direction="received")
-    return t.advance(3)
+    for i in range(3):
+        b.bump("h2_flow_control_stalls_total", 1)
+        t.advance(1)
+        b.bump("h2_rst_stream_total", 1, code="CANCEL", direction="received")
+        if i < joined:
+            b.bump("h2_stall_then_reset_total", 1)
+        t.advance(2)
+    return t.advance(2)
 
 
-def test_flow_control_stall_joins_on_the_same_connection_only() -> None:
-    _, same = _opened(_stall_then_reset("7", "7"))
-    assert [d.kind for d in same] == ["grpc_flow_control_stall"]
-    assert any("vllm-0/7" in e.signal for e in same[0].evidence)
-    _, other = _opened(_stall_then_reset("7", "8"))
-    assert other == []
+def test_flow_control_stall_reads_the_collectors_per_connection_join() -> None:
+    _, joined = _opened(_stalls_and_resets(joined=1))
+    assert [d.kind for d in joined] == ["grpc_flow_control_stall"]
+    assert joined[0].evidence[0].signal == "h2_stall_then_reset_total (increase)"
+    # the same stalls and resets on different connections: no join, no diagnosis
+    _, apart = _opened(_stalls_and_resets(joined=0))
+    assert apart == []
+
+
+def test_flow_control_stall_needs_the_http2_collector() -> None:
+    t = TimelineBuilder().advance(40)
+    t.backend("vllm-0").drop("h2_stall_then_reset_total").rate("tcp_sndbuf_full_total", 50.0)
+    t.backend("vllm-0").rate("h2_rst_stream_total", 5.0, code="CANCEL", direction="received")
+    _, opened = _opened(t.advance(10))
+    assert "grpc_flow_control_stall" not in {d.kind for d in opened}
+
+
+def test_client_timeout_storm_counts_only_cancels_received_from_clients() -> None:
+    t = TimelineBuilder().advance(40)
+    # the backend itself resets streams with CANCEL (sent) while slow: not the clients giving up
+    t.backend("vllm-0").set(ttft_seconds=dist(6.0)).rate("h2_rst_stream_total", 9.0, code="CANCEL", direction="sent")
+    _, opened = _opened(t.advance(10))
+    assert "client_timeout_storm" not in {d.kind for d in opened}
+    _, storm = _opened(SCENARIOS["client_timeout_storm"].build())
+    assert "client_timeout_storm" in {d.kind for d in storm}
+
+
+def test_vllm_aborts_are_left_out_of_the_error_ratio() -> None:
+    # 4 stop/s, 0.3 error/s (7 % of completed requests) and 20 client disconnects (abort)/s:
+    # aborts neither count as errors nor dilute the errors below the 5 % bar.
+    t = TimelineBuilder().advance(40)
+    b = t.backend("vllm-0").drop("responses_total")
+    b.rate("requests_finished_total", 20.0, reason="abort").rate("requests_finished_total", 0.3, reason="error")
+    _, opened = _opened(t.advance(30))
+    assert [(d.kind, d.backend) for d in opened] == [("error_burst", "vllm-0")]
+    assert "(error)" in opened[0].summary
+
+
+def test_cuda_alloc_failures_are_read_per_backend() -> None:
+    _, opened = _opened(SCENARIOS["gpu_memory_pressure"].build())
+    (d,) = opened
+    assert (d.kind, d.backend) == ("gpu_memory_pressure", "vllm-0")
+    assert {e.signal: e.value for e in d.evidence}["cuda_alloc_failures_total (increase)"] == 3
 
 
 def test_error_burst_falls_back_to_engine_finished_reasons() -> None:

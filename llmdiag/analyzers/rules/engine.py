@@ -14,7 +14,15 @@ from llmdiag.config.analyzers import (
 )
 from llmdiag.model import Severity
 
-__all__ = ["ErrorBurst", "FalseHealthy", "KvCacheSaturation", "QueueAvalanche"]
+__all__ = [
+    "CLIENT_REASONS",
+    "SUCCESS_REASONS",
+    "ErrorBurst",
+    "FalseHealthy",
+    "KvCacheSaturation",
+    "QueueAvalanche",
+    "finished_reason_class",
+]
 
 
 class KvCacheSaturation(Rule[KvCacheSaturationConfig]):
@@ -166,11 +174,36 @@ class FalseHealthy(Rule[FalseHealthyConfig]):
             yield b, "", self.finding(enter, stay, severity, summary, evidence, 0.85)
 
 
+#: ``requests_finished_total{reason}`` values that are successes, across engines: vLLM/SGLang/
+#: trtllm-serve ``finished_reason`` (stop, length, repetition; eos/end_id from other builds) and
+#: the ``ok`` the engine collector gives Triton's and TGI's success counters.
+SUCCESS_REASONS = frozenset({"stop", "length", "repetition", "eos", "end_id", "ok", "success", "finished"})
+#: Reasons that are the client's doing, left out of the ratio entirely (like a client's own
+#: quota 429): vLLM/SGLang ``abort`` (the client disconnected), Triton ``canceled``, TGI
+#: ``validation`` (the request itself was invalid: a 4xx, the same on any backend).
+CLIENT_REASONS = frozenset({"abort", "aborted", "canceled", "cancelled", "validation"})
+
+
+def finished_reason_class(reason: str) -> str:
+    """``ok``, ``client`` or ``error`` for one ``requests_finished_total`` reason.
+
+    Anything not known as a success or a client-side end counts as an error: vLLM
+    ``error``, Triton ``backend``/``rejected``/``other``, TGI ``overloaded``/``generation``/
+    ``incomplete_generation``, and ``unknown`` (a failure counter without its label).
+    """
+    if reason in SUCCESS_REASONS:
+        return "ok"
+    if reason in CLIENT_REASONS:
+        return "client"
+    return "error"
+
+
 class ErrorBurst(Rule[ErrorBurstConfig]):
     """(server_5xx + saturated_429) / responses >= ratio_enter over window_seconds (client quota 429s excluded).
 
     Reads the gateway feedback ``responses_total{class}``; without it, the
-    engine's ``requests_finished_total{reason=error}``.
+    engine's ``requests_finished_total{reason}`` with reasons classified by
+    :func:`finished_reason_class` (client-side ends left out of the ratio).
     """
 
     kind = "error_burst"
@@ -182,25 +215,26 @@ class ErrorBurst(Rule[ErrorBurstConfig]):
         cfg = self.config
         for b in ctx.backends:
             signals = ctx.snapshot.backends.get(b, {})
-            source, label_name = "responses_total", "class"
-            labels = ctx.labelled(signals, source)
-            bad_classes = self._BAD
-            if not labels:
-                source, label_name = "requests_finished_total", "reason"
-                labels = ctx.labelled(signals, source)
-                bad_classes = frozenset({"error"})
+            source, labels = "responses_total", ctx.labelled(signals, "responses_total")
+            if labels:
+                classes = {k: self._gateway_class(p.get("class", "")) for k, p in labels.items()}
+            else:
+                source, labels = "requests_finished_total", ctx.labelled(signals, "requests_finished_total")
+                classes = {k: finished_reason_class(p.get("reason", "")) for k, p in labels.items()}
             if not labels:
                 yield b, "", None
                 continue
             total = bad = 0.0
-            for key, parsed in labels.items():
-                cls = parsed.get(label_name, "")
-                if cls in self._IGNORED:
+            bad_names: set[str] = set()
+            for key, cls in classes.items():
+                if cls == "client":
                     continue
                 inc = ctx.increase("b", b, f"{source}{{{key}}}", cfg.window_seconds) or 0.0
                 total += inc
-                if cls in bad_classes:
+                if cls == "error":
                     bad += inc
+                    if inc > 0:
+                        bad_names.add(labels[key].get("class") or labels[key].get("reason") or "?")
             ratio = bad / total if total > 0 else 0.0
             enter = total >= cfg.min_responses and ratio >= cfg.ratio_enter
             stay = total > 0 and ratio >= cfg.ratio_exit
@@ -209,5 +243,11 @@ class ErrorBurst(Rule[ErrorBurstConfig]):
                 ev(f"{source} error ratio", ratio, cfg.ratio_enter, cfg.window_seconds),
                 ev(f"{source} (increase)", total, cfg.min_responses, cfg.window_seconds),
             ]
-            summary = f"{ratio:.1%} of {total:g} responses failed ({'/'.join(sorted(bad_classes))}) in {cfg.window_seconds:g}s"
+            what = "/".join(sorted(bad_names)) or ("server_5xx/saturated_429" if source == "responses_total" else "errors")
+            summary = f"{ratio:.1%} of {total:g} responses failed ({what}) in {cfg.window_seconds:g}s"
             yield b, "", self.finding(enter, stay, severity, summary, evidence, 0.9 if total >= 5 * cfg.min_responses else 0.7)
+
+    def _gateway_class(self, cls: str) -> str:
+        if cls in self._IGNORED:
+            return "client"
+        return "error" if cls in self._BAD else "ok"

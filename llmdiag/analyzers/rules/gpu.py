@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from llmdiag.analyzers.context import Context
+from llmdiag.analyzers.context import Context, number
 from llmdiag.analyzers.rules.base import Rule, Verdict, ev
 from llmdiag.config.analyzers import (
     GpuFaultConfig,
@@ -40,8 +40,9 @@ def throttle_names(value: object) -> set[str]:
             if v:
                 out.add(_norm(key.partition("=")[2] if "=" in key else key))
         return out
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
-        mask = int(value)
+    mask_value = number(value)  # NA (a lost GPU) and NaN are "unknown", never a mask
+    if mask_value is not None:
+        mask = int(mask_value)
         return {name for bit, name in CLOCK_EVENT_REASONS.items() if mask & bit}
     return set()
 
@@ -84,9 +85,8 @@ class GpuMemoryPressure(Rule[GpuMemoryPressureConfig]):
                 total, mem = ctx.gpu(g, "memory_total_bytes"), ctx.gpu(g, "memory_used_bytes")
                 if total and mem is not None and (used is None or mem / total > used):
                     used, used_gpu = mem / total, g
-                inc = ctx.increase("g", g, "cuda_alloc_failures_total", w)
-                if inc is not None:
-                    failures = (failures or 0.0) + inc
+            # cuda_alloc_failures_total is per backend (the cuda tracer attributes by process);
+            # no collector gives it per GPU, so host-owned GPUs have no failure count.
             ooms = retries = frag = None
             if subject != HOST:
                 inc = ctx.increase("b", subject, "cuda_alloc_failures_total", w)
@@ -197,7 +197,13 @@ class GpuThrottling(Rule[GpuThrottlingConfig]):
 
 
 class GpuIdleWithQueue(Rule[GpuIdleWithQueueConfig]):
-    """Requests wait (> min_waiting) while every GPU of the backend is below util_enter."""
+    """Requests wait (> min_waiting) while every GPU of the backend is below util_enter.
+
+    The backend's utilisation is the **max** over its GPUs' ``gpu_utilization``
+    (:meth:`Context.gpus_for`): one busy GPU means the engine is computing (a
+    tensor-parallel group runs in lockstep, a data-parallel one has work), so
+    only "all idle" points at the CPU side. No collector gives a backend-scope
+    ``gpu_utilization``."""
 
     kind = "gpu_idle_with_queue"
     remediation = "The engine is starved by the CPU side: scheduler, tokenizer, or an IO stall; profile the engine process."
@@ -207,9 +213,6 @@ class GpuIdleWithQueue(Rule[GpuIdleWithQueueConfig]):
         for b in ctx.backends:
             waiting = ctx.worst(b, "requests_waiting")
             utils = [u for u in (ctx.gpu(g, "gpu_utilization") for g in ctx.gpus_for(b)) if u is not None]
-            own = ctx.backend(b, "gpu_utilization")
-            if own is not None:
-                utils.append(own)
             if waiting is None or not utils or ctx.up(b) is False:
                 yield b, "", None
                 continue

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from llmdiag.analyzers.context import Context, number
-from llmdiag.analyzers.correlate import Event, coincide, follows
+from llmdiag.analyzers.correlate import Event, coincide
 from llmdiag.analyzers.rules.base import Rule, Verdict, ev
 from llmdiag.analyzers.windows import series_key
 from llmdiag.config.analyzers import (
@@ -29,8 +29,8 @@ __all__ = [
 
 
 def _counter_events(ctx: Context, backend: str, signal: str, seconds: float, what: str, match: dict[str, str] | None = None) -> list[Event]:
-    """Ticks where a (possibly labelled) backend counter rose, as events keyed by
-    ``backend/conn`` when the label string names a connection, else by backend."""
+    """Ticks where a (possibly labelled) backend counter rose, as events keyed by the backend
+    (``match`` selects label values of a labelled counter)."""
     signals = ctx.snapshot.backends.get(backend, {})
     labels = ctx.labelled(signals, signal)
     out: list[Event] = []
@@ -38,23 +38,23 @@ def _counter_events(ctx: Context, backend: str, signal: str, seconds: float, wha
         for key, parsed in labels.items():
             if match and any(parsed.get(k) != v for k, v in match.items()):
                 continue
-            conn = parsed.get("conn")
-            ek = f"{backend}/{conn}" if conn else backend
             for ts, amount in ctx.windows.increments(series_key("b", backend, f"{signal}{{{key}}}"), seconds):
-                out.append(Event(ts, ek, what, amount))
+                out.append(Event(ts, backend, what, amount))
     elif match is None:
         for ts, amount in ctx.windows.increments(series_key("b", backend, signal), seconds):
             out.append(Event(ts, backend, what, amount))
     return out
 
 
-def _by_backend(events: list[Event], backend: str) -> list[Event]:
-    return [Event(e.ts, backend, e.what, e.amount) for e in events]
+#: The clients' cancels as the backend sees them: RST_STREAM(CANCEL) it received. A CANCEL the
+#: backend sends is its own doing (it gives up a stream), not a client timing out.
+_CLIENT_CANCEL = {"code": "CANCEL", "direction": "received"}
 
 
 class ClientTimeoutStorm(Rule[ClientTimeoutStormConfig]):
-    """Cancels (RST_STREAM code=CANCEL + TCP peer closes) per second >= rate_factor_enter x baseline
-    (and >= min_rate), joined in time (correlate_seconds) with a high TTFT on the same backend."""
+    """Cancels (RST_STREAM code=CANCEL received from the client + TCP peer closes) per second >=
+    rate_factor_enter x baseline (and >= min_rate), joined in time (correlate_seconds) with a high
+    TTFT on the same backend."""
 
     kind = "client_timeout_storm"
     remediation = "The backend is past its SLO and clients give up: cancelled requests waste GPU; shed load or re-route."
@@ -66,7 +66,7 @@ class ClientTimeoutStorm(Rule[ClientTimeoutStormConfig]):
             signals = ctx.snapshot.backends.get(b, {})
             rates = []
             for key, parsed in ctx.labelled(signals, "h2_rst_stream_total").items():
-                if parsed.get("code") == "CANCEL":
+                if all(parsed.get(k) == v for k, v in _CLIENT_CANCEL.items()):
                     r = ctx.rate("b", b, f"h2_rst_stream_total{{{key}}}", span)
                     if r is not None:
                         rates.append(r)
@@ -87,16 +87,16 @@ class ClientTimeoutStorm(Rule[ClientTimeoutStormConfig]):
                 ttft_bar = min(ttft_bar, max(cfg.ttft_ratio * ttft_base, 0.5))
             # Correlate: cancel ticks joined with high-TTFT ticks on the same backend.
             lookback = span + cfg.correlate_seconds
-            cancels = _counter_events(ctx, b, "h2_rst_stream_total", span, "cancel", {"code": "CANCEL"})
+            cancels = _counter_events(ctx, b, "h2_rst_stream_total", span, "cancel", _CLIENT_CANCEL)
             cancels += _counter_events(ctx, b, "tcp_peer_closes_total", span, "peer_close")
             series = ctx.windows.series(series_key("b", b, "ttft_seconds.ewma"))
             slow = [] if series is None else [Event(ts, b, "ttft_high", v) for ts, v in series.points_since(ctx.now - lookback) if v >= ttft_bar]
-            joined = coincide(_by_backend(cancels, b), slow, cfg.correlate_seconds)
+            joined = coincide(cancels, slow, cfg.correlate_seconds)
             enter = cancel_rate >= bar_enter and bool(joined)
             stay = cancel_rate >= bar_exit and bool(slow)
             severity = Severity.CRITICAL if base and cancel_rate >= cfg.critical_factor * max(base, cfg.min_rate / cfg.rate_factor_enter) else Severity.WARNING
             evidence = [
-                ev("cancels per second (rst_stream CANCEL + tcp_peer_closes)", cancel_rate, bar_enter, span),
+                ev("cancels per second (rst_stream CANCEL received + tcp_peer_closes)", cancel_rate, bar_enter, span),
                 ev("cancel rate baseline", base, "warming up" if base is None else None, ctx.config.baseline_seconds),
                 ev("ttft_seconds.ewma", ttft, ttft_bar, cfg.correlate_seconds),
                 ev("cancel ticks joined with high TTFT", float(len(joined)), 1.0, cfg.correlate_seconds),
@@ -143,7 +143,12 @@ class TimewaitExhaustion(Rule[TimewaitExhaustionConfig]):
 
 
 class ConnectionChurn(Rule[ConnectionChurnConfig]):
-    """Connections closed per request >= ratio_enter (no reuse) with a TIME_WAIT entry rate >= tw_rate_enter."""
+    """Connections closed per request >= ratio_enter (no reuse) with a TIME_WAIT entry rate >= tw_rate_enter.
+
+    The TIME_WAIT entry rate is the larger of the backend's own active closes
+    (server side, tcp collector) and ``timewait_entry_rate`` of the backend's
+    destination ``ip:port`` (clients on this host, timewait collector), found
+    with the same address function the collector keys it by."""
 
     kind = "connection_churn"
     remediation = "Fix client connection pooling (keep-alive on, MaxIdleConnsPerHost, idle timeouts longer than the request interval)."
@@ -162,7 +167,9 @@ class ConnectionChurn(Rule[ConnectionChurnConfig]):
                 yield b, "", None
                 continue
             close_rate = sum(closes)
-            tw_rates = [r for r in (ctx.rate("b", b, "tcp_active_closes_total", span), ctx.host("timewait_entry_rate")) if r is not None]
+            dest = ctx.destination_of(b)
+            dest_rate = ctx.destination(dest, "timewait_entry_rate") if dest is not None else None
+            tw_rates = [r for r in (ctx.rate("b", b, "tcp_active_closes_total", span), dest_rate) if r is not None]
             tw_rate = max(tw_rates) if tw_rates else None
             ratio = close_rate / requests if requests >= cfg.min_request_rate else None
             enter = ratio is not None and ratio >= cfg.ratio_enter and tw_rate is not None and tw_rate >= cfg.tw_rate_enter
@@ -177,11 +184,16 @@ class ConnectionChurn(Rule[ConnectionChurnConfig]):
 
 
 class GrpcFlowControlStall(Rule[GrpcFlowControlStallConfig]):
-    """A send-buffer-full or HTTP/2 flow-control stall followed within follow_seconds by RST_STREAM or
-    GOAWAY on the same connection (or backend, when the collector has no per-connection labels).
+    """HTTP/2 flow-control stalls followed by RST_STREAM or GOAWAY on the same connection:
+    the increase of ``h2_stall_then_reset_total`` over window_seconds >= min_matches.
 
-    Plain stream closes are not counted as the "end" event: every healthy
-    stream ends with one, so at backend granularity they would match any stall.
+    The join is done per connection by the http2 collector, which sees each
+    frame's connection (pid, fd) and that connection's stall count; the
+    snapshot has no per-connection signals, and a join at backend granularity
+    would match any stall with any of the routine resets of a busy backend.
+    The window ("followed within") is this rule's follow_seconds, handed to the
+    collector. ``h2_flow_control_stalls_total`` and ``tcp_sndbuf_full_total`` are
+    shown as evidence only.
     """
 
     kind = "grpc_flow_control_stall"
@@ -189,35 +201,27 @@ class GrpcFlowControlStall(Rule[GrpcFlowControlStallConfig]):
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
         cfg = self.config
+        w = cfg.window_seconds
         for b in ctx.backends:
-            signals = ctx.snapshot.backends.get(b, {})
-            if not any(s in signals for s in ("h2_flow_control_stalls_total", "tcp_sndbuf_full_total")):
+            if "h2_stall_then_reset_total" not in ctx.snapshot.backends.get(b, {}):
                 yield b, "", None
                 continue
-            stalls = _counter_events(ctx, b, "h2_flow_control_stalls_total", cfg.window_seconds, "stall")
-            stalls += _counter_events(ctx, b, "tcp_sndbuf_full_total", cfg.window_seconds, "sndbuf_full")
-            ends = _counter_events(ctx, b, "h2_rst_stream_total", cfg.window_seconds, "rst_stream")
-            ends += _counter_events(ctx, b, "h2_goaway_total", cfg.window_seconds, "goaway")
-            # Join per connection when the collector labels connections (conn=...) on both sides;
-            # otherwise per backend, which is coarser (any reset on the backend may follow a stall).
-            conn_ends = [e for e in ends if e.key != b]
-            per_conn = bool(stalls) and all(e.key != b for e in stalls) and bool(conn_ends)
-            if per_conn:
-                ends = conn_ends
-            else:
-                stalls, ends = _by_backend(stalls, b), _by_backend(ends, b)
-            matches = follows(stalls, ends, cfg.follow_seconds)
-            n = len(matches)
+            matched = ctx.increase("b", b, "h2_stall_then_reset_total", w)
+            if matched is None:
+                yield b, "", None  # one point: no window yet
+                continue
+            n = int(matched)
+            stalls = ctx.increase("b", b, "h2_flow_control_stalls_total", w)
+            sndbuf = ctx.increase("b", b, "tcp_sndbuf_full_total", w)
             severity = Severity.CRITICAL if n >= cfg.critical_matches else Severity.WARNING
             evidence = [
-                ev("stalls (flow control / sndbuf full)", sum(e.amount for e in stalls), None, cfg.window_seconds),
-                ev("stalls followed by RST_STREAM/GOAWAY", float(n), float(cfg.min_matches), cfg.follow_seconds),
+                ev("h2_stall_then_reset_total (increase)", float(n), float(cfg.min_matches), w),
+                ev("h2_flow_control_stalls_total (increase)", stalls, None, w),
             ]
-            if matches:
-                m = matches[-1]
-                evidence.append(ev(f"last: {m.first.what} -> {m.second.what} on {m.first.key}", m.gap_seconds, cfg.follow_seconds, cfg.follow_seconds))
-            summary = f"{n} flow-control stalls ended in a stream reset within {cfg.follow_seconds:g}s"
-            yield b, "", self.finding(n >= cfg.min_matches, n >= cfg.min_matches, severity, summary, evidence, 0.8 if per_conn else 0.6)
+            if sndbuf is not None:
+                evidence.append(ev("tcp_sndbuf_full_total (increase)", sndbuf, None, w))
+            summary = f"{n} stream resets followed a flow-control stall on their connection within {cfg.follow_seconds:g}s"
+            yield b, "", self.finding(n >= cfg.min_matches, n >= cfg.min_matches, severity, summary, evidence, 0.85)
 
 
 class NetworkDegradation(Rule[NetworkDegradationConfig]):
