@@ -179,14 +179,27 @@ class WeightsConfig:
 class BalancerConfig:
     """SPEC 6.3: power of d choices over work-based load, passive and active health, retries."""
 
-    #: d in "power of d choices"; 0 means all (a full scan).
-    choices: int = 2
+    #: d in "power of d choices"; 0 means all (a full scan). SPEC 6.3 says 2; 4 was measured
+    #: better in the simulator sweep (bench/sweep_balancer.py, docs/simulator.md).
+    choices: int = 4
     #: Sample candidates with replacement (Envoy's P2C) instead of d distinct ones.
     with_replacement: bool = False
     #: effective = score / (1 + in_flight_penalty * load).
     in_flight_penalty: float = 0.1
-    #: load = pending prefill tokens / tokens_per_slot + in-flight requests.
-    tokens_per_slot: float = 2048.0
+    #: load = (pending prefill tokens + this prompt) * slowness / tokens_per_slot + in-flight requests.
+    #: 32 from the sweep (was 2048, at which the ~90 decoding requests of a busy engine drowned the
+    #: prefill backlog that makes TTFT).
+    tokens_per_slot: float = 32.0
+    #: Weight of each drained request in a backend's measured prefill speed (busy seconds per prompt
+    #: token of our own dispatches); the backend's slowness relative to the pool's mean scales its
+    #: pending tokens in the load. 0 turns the measurement off (every backend's tokens count alike).
+    prefill_speed_alpha: float = 0.05
+    #: A drain counts as a speed sample only when the backend held at least this many pending
+    #: prompt tokens (nearly idle engines are dominated by per-step overhead and would look slow).
+    prefill_sample_min_tokens: int = 2048
+    #: A backend's speed estimate with no new sample for this long is dropped (slowness 1 again), so a
+    #: backend once judged slow gets work, a backlog and fresh samples.
+    prefill_speed_stale_seconds: float = 30.0
     #: Passive health: this many consecutive failures eject (open the circuit).
     consecutive_failures: int = 3
     #: First ejection lasts this long; each repeated ejection doubles it up to ejection_max_seconds.
@@ -221,6 +234,9 @@ class BalancerConfig:
             raise ValueError(f"choices must be >= 0 (0 = all backends), got {self.choices}")
         _non_negative("in_flight_penalty", self.in_flight_penalty)
         _positive("tokens_per_slot", self.tokens_per_slot)
+        _unit("prefill_speed_alpha", self.prefill_speed_alpha)
+        _non_negative("prefill_sample_min_tokens", self.prefill_sample_min_tokens)
+        _positive("prefill_speed_stale_seconds", self.prefill_speed_stale_seconds)
         for key in ("consecutive_failures", "half_open_successes", "probe_successes", "half_open_max_in_flight"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")

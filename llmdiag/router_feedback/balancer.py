@@ -81,9 +81,12 @@ class NoBackendAvailable(LookupError):
 class _Slot:
     """One backend's stable routing cell: its current score view and load counters."""
 
-    __slots__ = ("backend", "name", "view", "in_flight", "pending_tokens", "pending", "decoding")
+    __slots__ = (
+        "backend", "name", "view", "in_flight", "pending_tokens", "pending", "decoding", "token_weight",
+        "busy_from", "prefill_seconds", "prefill_tokens", "seconds_per_token", "sampled_at",
+    )
 
-    def __init__(self, backend: Backend, view: ScoreView) -> None:
+    def __init__(self, backend: Backend, view: ScoreView, token_weight: float) -> None:
         self.backend = backend
         self.name = backend.name
         self.view = view
@@ -91,6 +94,15 @@ class _Slot:
         self.pending_tokens = 0  # prompt tokens of requests without a first token yet
         self.pending = 0  # how many requests those are
         self.decoding = 0  # requests past their first token, not finished
+        # Load units per pending prompt token: slowness / tokens_per_slot (slowness 1 until measured).
+        self.token_weight = token_weight
+        # Prefill speed, from our own dispatches: since when the backend has held pending prefill
+        # without a first token coming back, and the decayed sums of busy seconds and drained tokens.
+        self.busy_from = 0.0
+        self.prefill_seconds = 0.0
+        self.prefill_tokens = 0.0
+        self.seconds_per_token = 0.0  # 0 = not measured yet
+        self.sampled_at = 0.0
 
     def __repr__(self) -> str:
         return f"<slot {self.name} in_flight={self.in_flight} pending_tokens={self.pending_tokens}>"
@@ -174,6 +186,12 @@ class Balancer:
         self._with_replacement = cfg.with_replacement
         self._in_flight_penalty = cfg.in_flight_penalty
         self._inv_tokens_per_slot = 1.0 / cfg.tokens_per_slot
+        self._speed_alpha = cfg.prefill_speed_alpha
+        self._speed_min_tokens = cfg.prefill_sample_min_tokens
+        self._spt_sum = 0.0  # sum of the measured seconds per prefill token over the backends that have one
+        self._spt_count = 0
+        self._speed_stale = cfg.prefill_speed_stale_seconds
+        self._speeds_refresh_at = -_INF
         self._long_tokens = cfg.errors.long_context_tokens
         self._warned: set[str] = set()
         #: Counters for exporters: "detected" and "enforced" are kept apart.
@@ -216,7 +234,7 @@ class Balancer:
         n = len(pool)
         if n == 0:
             return self._none_available(model, est_prompt_tokens)
-        slot = pool[0] if n == 1 else self._choose(pool, n, now)
+        slot = pool[0] if n == 1 else self._choose(pool, n, now, est_prompt_tokens)
         limits = table.limits
         if limits and slot in limits and slot.in_flight >= limits[slot]:
             # A half-open backend already has its share: choose among the others that have room.
@@ -224,20 +242,24 @@ class Balancer:
             n = len(pool)
             if n == 0:
                 return self._none_available(model, est_prompt_tokens)
-            slot = pool[0] if n == 1 else self._choose(pool, n, now)
+            slot = pool[0] if n == 1 else self._choose(pool, n, now, est_prompt_tokens)
+        if not slot.pending:
+            slot.busy_from = now  # the backend starts holding prefill work of ours: its busy time starts
         slot.in_flight += 1
         slot.pending += 1
         if est_prompt_tokens > 0:
             slot.pending_tokens += est_prompt_tokens
         return slot.backend
 
-    def _choose(self, pool: tuple[_Slot, ...], n: int, now: float) -> _Slot:
-        # effective = score / (1 + in_flight_penalty * (pending_tokens / tokens_per_slot + in_flight)):
-        # the local load term is in every comparison, so a stale high score cannot herd traffic.
+    def _choose(self, pool: tuple[_Slot, ...], n: int, now: float, tokens: int) -> _Slot:
+        # effective = score / (1 + in_flight_penalty * load), load = (pending_tokens + this prompt)
+        # * token_weight + in_flight, token_weight = the backend's measured prefill slowness / tokens_per_slot.
+        # The local load term is in every comparison, so a stale high score cannot herd traffic.
         random_ = self._rng.random
         d = self._d
         penalty = self._in_flight_penalty
-        inv_tps = self._inv_tokens_per_slot
+        if tokens < 0:
+            tokens = 0
         if d == 2 and (n > 2 or self._with_replacement):
             i = int(random_() * n)
             if self._with_replacement:
@@ -250,10 +272,10 @@ class Balancer:
             b = pool[j]
             v = a.view
             sa = v.target if now >= v.ramp_end_ts else v.start + v.rate * (now - v.start_ts)
-            ea = sa / (1.0 + penalty * (a.pending_tokens * inv_tps + a.in_flight))
+            ea = sa / (1.0 + penalty * ((a.pending_tokens + tokens) * a.token_weight + a.in_flight))
             v = b.view
             sb = v.target if now >= v.ramp_end_ts else v.start + v.rate * (now - v.start_ts)
-            eb = sb / (1.0 + penalty * (b.pending_tokens * inv_tps + b.in_flight))
+            eb = sb / (1.0 + penalty * ((b.pending_tokens + tokens) * b.token_weight + b.in_flight))
             if ea > eb:
                 return a
             if eb > ea:
@@ -264,24 +286,57 @@ class Balancer:
         elif self._with_replacement:
             candidates = [pool[int(random_() * n)] for _ in range(d)]
         elif 2 * d <= n:
-            chosen: dict[int, None] = {}
-            while len(chosen) < d:
-                chosen[int(random_() * n)] = None
-            candidates = [pool[i] for i in chosen]
+            # d distinct by rejection (few redraws while d <= n / 2), each scored as it is drawn.
+            drawn: list[int] = []
+            best_s: _Slot | None = None
+            best_e = -1.0
+            tied = 0
+            while len(drawn) < d:
+                i = int(random_() * n)
+                if i in drawn:
+                    continue
+                drawn.append(i)
+                s = pool[i]
+                v = s.view
+                score = v.target if now >= v.ramp_end_ts else v.start + v.rate * (now - v.start_ts)
+                effective = score / (1.0 + penalty * ((s.pending_tokens + tokens) * s.token_weight + s.in_flight))
+                if effective > best_e:
+                    best_s, best_e, tied = s, effective, 1
+                elif effective == best_e:
+                    tied += 1
+                    if random_() * tied < 1.0:
+                        best_s = s
+            assert best_s is not None
+            return best_s
         else:
-            # Partial Fisher-Yates: d distinct without rejection when d is a large share of n.
-            order = list(range(n))
+            # Partial Fisher-Yates over a copy of the pool: d distinct without rejection when d is a
+            # large share of n, each scored as it is drawn.
+            order = list(pool)
+            best_s = None
+            best_e = -1.0
+            tied = 0
             for k in range(d):
                 m = k + int(random_() * (n - k))
-                order[k], order[m] = order[m], order[k]
-            candidates = [pool[i] for i in order[:d]]
+                s = order[m]
+                order[m] = order[k]
+                v = s.view
+                score = v.target if now >= v.ramp_end_ts else v.start + v.rate * (now - v.start_ts)
+                effective = score / (1.0 + penalty * ((s.pending_tokens + tokens) * s.token_weight + s.in_flight))
+                if effective > best_e:
+                    best_s, best_e, tied = s, effective, 1
+                elif effective == best_e:
+                    tied += 1
+                    if random_() * tied < 1.0:
+                        best_s = s
+            assert best_s is not None
+            return best_s
         best: _Slot | None = None
         best_effective = -1.0
         ties = 0
         for s in candidates:
             v = s.view
             score = v.target if now >= v.ramp_end_ts else v.start + v.rate * (now - v.start_ts)
-            effective = score / (1.0 + penalty * (s.pending_tokens * inv_tps + s.in_flight))
+            effective = score / (1.0 + penalty * ((s.pending_tokens + tokens) * s.token_weight + s.in_flight))
             if effective > best_effective:
                 best, best_effective, ties = s, effective, 1
             elif effective == best_effective:
@@ -290,6 +345,71 @@ class Balancer:
                     best = s
         assert best is not None
         return best
+
+    def _prefill_sample(self, slot: _Slot, backlog: int, drained: int, now: float) -> None:
+        """One request left prefill: update the backend's measured seconds per prefill token.
+
+        Between two first tokens (or since the backend started holding our
+        prefill work) the engine was busy with it; the ratio of the decayed sums
+        of those busy seconds and of the drained prompt tokens is its effective
+        prefill speed under its current decode load, queueing and throttling
+        included. Only drains from a backlog of at least
+        ``prefill_sample_min_tokens`` count: a nearly idle engine spends most of
+        a request's time in per-step overhead and would look slow, which would
+        push work away from exactly the backends that have room. The backend's
+        slowness (its seconds per token over the pool's mean, clamped to
+        0.1..10) scales its pending tokens in the load.
+        """
+        elapsed = now - slot.busy_from
+        slot.busy_from = now
+        if backlog < self._speed_min_tokens or drained <= 0 or elapsed < 0:
+            return
+        keep = 1.0 - self._speed_alpha
+        if slot.prefill_tokens > 0:
+            slot.prefill_seconds = slot.prefill_seconds * keep + elapsed
+            slot.prefill_tokens = slot.prefill_tokens * keep + drained
+        else:
+            slot.prefill_seconds, slot.prefill_tokens = float(elapsed), float(drained)
+        spt = slot.prefill_seconds / slot.prefill_tokens
+        if not spt > 0:
+            return  # first tokens in the same instant: no time measured yet
+        if slot.seconds_per_token > 0:
+            self._spt_sum += spt - slot.seconds_per_token
+        else:
+            self._spt_sum += spt
+            self._spt_count += 1
+        slot.seconds_per_token = spt
+        slot.sampled_at = now
+        if now >= self._speeds_refresh_at:
+            self._refresh_speeds(now)
+        else:
+            slot.token_weight = self._token_weight(spt)
+
+    def _token_weight(self, spt: float) -> float:
+        mean = self._spt_sum / self._spt_count if self._spt_count else 0.0
+        slowness = spt / mean if spt > 0 and mean > 0 else 1.0
+        return min(10.0, max(0.1, slowness)) * self._inv_tokens_per_slot
+
+    def _refresh_speeds(self, now: float) -> None:
+        """Once a second (O(n)): forget stale speed estimates and re-weigh every backend against the mean.
+
+        Between refreshes only the sampled backend is re-weighed, so feedback stays
+        O(1). An estimate with no sample for ``prefill_speed_stale_seconds`` is
+        dropped (slowness 1): a backend judged slow gets little work, hence no
+        backlog and no new samples, and would otherwise stay "slow" for good.
+        """
+        self._speeds_refresh_at = now + 1.0
+        stale_before = now - self._speed_stale
+        total, count = 0.0, 0
+        for s in self._slots.values():
+            if s.seconds_per_token > 0 and s.sampled_at < stale_before:
+                s.seconds_per_token = s.prefill_seconds = s.prefill_tokens = 0.0
+            if s.seconds_per_token > 0:
+                total += s.seconds_per_token
+                count += 1
+        self._spt_sum, self._spt_count = total, count
+        for s in self._slots.values():
+            s.token_weight = self._token_weight(s.seconds_per_token)
 
     def _none_available(self, model: str | None, est_prompt_tokens: int) -> Backend:
         self.counters["no_backend_total"] += 1
@@ -309,6 +429,11 @@ class Balancer:
         slot = self._slot(backend, "on_first_token")
         if slot is None:
             return
+        backlog, pending = slot.pending_tokens, slot.pending
+        if prompt_tokens is not None and prompt_tokens >= 0:
+            drained = prompt_tokens
+        else:
+            drained = backlog // pending if pending > 0 else 0
         _leave_prefill(slot, prompt_tokens)
         slot.decoding += 1
         if not (isinstance(ttft, (int, float)) and ttft >= 0 and math.isfinite(ttft)):
@@ -316,6 +441,8 @@ class Balancer:
             return
         with self._lock:
             now = self._clock()
+            if pending > 0 and self._speed_alpha > 0.0:
+                self._prefill_sample(slot, backlog, drained, now)
             h = self._health[slot.name]
             alpha = self.config.score.ttft_ewma_alpha
             fresh = h.ttft_ewma is not None and now - h.ttft_ts <= self.config.score.ttft_stale_seconds
@@ -466,13 +593,16 @@ class Balancer:
                     slots[b.name] = old
                     health[b.name] = self._health[b.name]
                 else:
-                    slot = _Slot(b, ScoreView.fixed(0.0, now, self.config.score.recovery_points_per_second))
+                    slot = _Slot(b, ScoreView.fixed(0.0, now, self.config.score.recovery_points_per_second),
+                                 self._inv_tokens_per_slot)
                     h = _Health(self.config, now)
                     slots[b.name] = slot
                     health[b.name] = h
                     self._start_warming(slot, h, now)
             self._slots = slots
             self._health = health
+            measured = [s.seconds_per_token for s in slots.values() if s.seconds_per_token > 0]
+            self._spt_sum, self._spt_count = sum(measured), len(measured)
             self._rebuild(now)
 
     def add_backend(self, backend: Backend) -> None:
@@ -507,9 +637,14 @@ class Balancer:
         return slot.view.value(self._clock())
 
     def load(self, backend: Backend | str) -> float:
-        """``pending_tokens / tokens_per_slot + in_flight``."""
+        """``pending_tokens * slowness / tokens_per_slot + in_flight`` (slowness 1 until measured)."""
         slot = self._slots[backend if isinstance(backend, str) else backend.name]
-        return slot.pending_tokens * self._inv_tokens_per_slot + slot.in_flight
+        return slot.pending_tokens * slot.token_weight + slot.in_flight
+
+    def prefill_slowness(self, backend: Backend | str) -> float:
+        """The backend's measured prefill seconds per token over the pool's mean (1.0 until measured)."""
+        slot = self._slots[backend if isinstance(backend, str) else backend.name]
+        return slot.token_weight / self._inv_tokens_per_slot
 
     def state(self, backend: Backend | str) -> BackendState:
         name = backend if isinstance(backend, str) else backend.name

@@ -15,6 +15,9 @@ from llmdiag.router_feedback.balancer import Balancer, NoBackendAvailable
 from balancer_support import ScriptedRandom, VirtualClock, make, set_score, warmed
 
 # Queue-factor scores: 100 * (1 - 0.25 * waiting / 30).
+# SPEC 6.3's P2C with the pre-sweep load constants, for the exact-pick and P2C-probability tests
+# (the defaults are d = 4 and other constants since the simulator sweep; see docs/simulator.md).
+P2C = BalancerConfig(choices=2, in_flight_penalty=0.1, tokens_per_slot=2048, prefill_speed_alpha=0.0)
 WAITING_FOR = {100.0: 0.0, 95.0: 6.0, 87.5: 15.0, 75.0: 30.0}
 
 
@@ -30,7 +33,7 @@ def scored(scores: list[float], config: BalancerConfig | None = None, rng=None) 
 
 
 def test_exact_p2c_picks_under_a_scripted_rng() -> None:
-    balancer, clock = scored([100.0, 75.0, 87.5, 95.0])
+    balancer, clock = scored([100.0, 75.0, 87.5, 95.0], P2C)
     # i = int(r1 * n); j = int(r2 * (n - 1)), shifted past i: two distinct indices from two draws.
     balancer._rng = ScriptedRandom([0.1, 0.4, 0.3, 0.0, 0.55, 0.99, 0.3, 0.7])  # noqa: SLF001
     assert balancer.pick("m", 0).name == "b0"  # b0 (100) vs b2 (87.5)
@@ -43,23 +46,45 @@ def test_exact_p2c_picks_under_a_scripted_rng() -> None:
 
 def test_exact_tie_breaks_under_a_scripted_rng() -> None:
     # Three equal backends: the d = 2 path breaks a tie with one more draw (< 0.5 keeps the first).
-    balancer, clock = scored([100.0, 100.0, 100.0], config=BalancerConfig(in_flight_penalty=0.0))
+    balancer, clock = scored([100.0, 100.0, 100.0], config=BalancerConfig(choices=2, in_flight_penalty=0.0))
     balancer._rng = ScriptedRandom([0.0, 0.0, 0.7, 0.0, 0.0, 0.2])  # noqa: SLF001
     assert balancer.pick("m", 0).name == "b1"
     assert balancer.pick("m", 0).name == "b0"
     # Two backends and d = 2 distinct is a full scan: the second tied candidate wins when random() * 2 < 1.
-    balancer, clock = scored([100.0, 100.0], config=BalancerConfig(in_flight_penalty=0.0))
+    balancer, clock = scored([100.0, 100.0], config=BalancerConfig(choices=2, in_flight_penalty=0.0))
     balancer._rng = ScriptedRandom([0.3, 0.7])  # noqa: SLF001
     assert balancer.pick("m", 0).name == "b1"
     assert balancer.pick("m", 0).name == "b0"
 
 
 def test_pick_samples_o_of_d_at_a_thousand_backends() -> None:
-    balancer, clock = make(1000)
+    balancer, clock = make(1000, config=P2C)
     set_score(balancer, "b249", 30.0)
     balancer._rng = ScriptedRandom([0.5, 0.25])  # noqa: SLF001 - indices 500 and int(0.25 * 999) = 249
     assert balancer.pick("m", 100).name == "b500"
     assert balancer._rng.calls == 2  # noqa: SLF001
+
+
+def test_default_d_draws_four_distinct_backends_at_a_thousand() -> None:
+    balancer, clock = make(1000)
+    assert balancer.config.choices == 4
+    set_score(balancer, "b100", 30.0)
+    set_score(balancer, "b300", 6.0)  # 95 points
+    set_score(balancer, "b900", 15.0)  # 87.5 points
+    # Indices 100, 100 again (rejected: distinct), 700, 300, 900: five draws, four candidates.
+    balancer._rng = ScriptedRandom([0.1, 0.1, 0.7, 0.3, 0.9])  # noqa: SLF001
+    assert balancer.pick("m", 100).name == "b700"
+    assert balancer._rng.calls == 5  # noqa: SLF001 - O(d), no scan
+    # Four of five (d > n / 2): partial Fisher-Yates, exactly d draws; the worst never wins
+    # (load held out with in_flight_penalty = 0), since at least three others are always drawn.
+    balancer, clock = make(5, config=BalancerConfig(in_flight_penalty=0.0), rng=random.Random(7))
+    set_score(balancer, "b2", 30.0)
+    assert Counter(balancer.pick("m", 0).name for _ in range(2000))["b2"] == 0
+    set_score(balancer, "b1", 6.0)  # 95 points
+    set_score(balancer, "b3", 15.0)  # 87.5 points: b0..b3 drawn, b0 (100) wins without a tie-break draw
+    balancer._rng = ScriptedRandom([0.0, 0.0, 0.0, 0.0])  # noqa: SLF001
+    assert balancer.pick("m", 0).name == "b0"
+    assert balancer._rng.calls == 4  # noqa: SLF001
 
 
 # ---------------------------------------------------- selection probabilities
@@ -78,7 +103,7 @@ def shares(balancer: Balancer, n: int = N, tokens: int = 0) -> dict[str, float]:
 def test_p2c_distinct_three_backends() -> None:
     # d = 2 distinct of 3: the pair is uniform over the 3 pairs {0,1}, {0,2}, {1,2}.
     # Best wins 2 of them -> 2/3; middle wins only {1,2} -> 1/3; worst never.
-    balancer, _ = scored([100.0, 87.5, 75.0], BalancerConfig(in_flight_penalty=0.0), rng=random.Random(11))
+    balancer, _ = scored([100.0, 87.5, 75.0], BalancerConfig(choices=2, in_flight_penalty=0.0), rng=random.Random(11))
     got = shares(balancer)
     assert got["b0"] == pytest.approx(2 / 3, abs=TOL)
     assert got["b1"] == pytest.approx(1 / 3, abs=TOL)
@@ -88,7 +113,7 @@ def test_p2c_distinct_three_backends() -> None:
 def test_p2c_with_replacement_two_backends_picks_the_worse_a_quarter_of_the_time() -> None:
     # Envoy-style P2C samples with replacement: the worse one wins only when both draws hit it,
     # P = (1/2) * (1/2) = 1/4; the better one wins 3/4.
-    cfg = BalancerConfig(in_flight_penalty=0.0, with_replacement=True)
+    cfg = BalancerConfig(choices=2, in_flight_penalty=0.0, with_replacement=True)
     balancer, _ = scored([100.0, 75.0], cfg, rng=random.Random(12))
     got = shares(balancer)
     assert got["b1"] == pytest.approx(0.25, abs=TOL)
@@ -168,7 +193,7 @@ def test_herding_with_many_backends_spreads_the_burst() -> None:
 
 
 def test_two_pending_32k_prompts_make_a_backend_busy() -> None:
-    balancer, clock = make(2, rng=random.Random(20))
+    balancer, clock = make(2, config=P2C, rng=random.Random(20))
     balancer.set_penalty("b1", 0.20)  # b1: 80 points, b0: 100
     assert balancer.pick("m", 100).name == "b0"
     balancer.on_finish("b0", 200)

@@ -157,9 +157,10 @@ def test_llmdiag_uses_the_real_balancer_and_its_feedback() -> None:
     assert isinstance(p.balancer, Balancer)
     clock[0] = 100.0  # past the warm-up ramp
     p.on_penalty(0, 0.9, (), 100.0)
-    picks = [p.pick(REQ, 100.0, NONE) for _ in range(20)]
-    for i in picks:  # every pick must end with one on_finish
-        p.on_finish(i, REQ, Outcome(200, "", None, "ok"), False, 100.0)
+    picks = []
+    for _ in range(20):  # one request at a time: no queued work tips the balance
+        picks.append(p.pick(REQ, 100.0, NONE))
+        p.on_finish(picks[-1], REQ, Outcome(200, "", None, "ok"), False, 100.0)
     assert picks.count(1) == 20  # two backends: P2C compares both every time
     assert p.pick(REQ, 100.0, frozenset({1})) == 0
 
