@@ -184,10 +184,19 @@ class GpuCollector:
     def close(self) -> None:
         """Stop the threads, free the event set, shut NVML down. Idempotent."""
         self._stop.set()
+        stuck = []
         for thread in (self._event_thread, self._pcie_thread):
             if thread is not None:
                 thread.join(timeout=5.0)
+                if thread.is_alive():
+                    stuck.append(thread.name)
         self._event_thread = self._pcie_thread = None
+        if stuck:
+            # A thread still inside nvmlEventSetWait (or a PCIe call): freeing the event set or
+            # shutting NVML down under it is a use-after-free in the driver library. Leave both
+            # to process exit; the threads are daemons.
+            log.warning("gpu collector: %s did not stop within 5 s; leaving NVML open", ", ".join(stuck))
+            return
         if self._event_set is not None:
             try:
                 self.nvml.call("nvmlEventSetFree", self._event_set)

@@ -858,7 +858,14 @@ class Balancer:
             if not (isinstance(value, float) and value != value):
                 self._bad_signal(f"{key}:{name}", "update_signals(%s): %s is not a number: %r", name, key, value)
             return None
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an int too large for a float is not a measurement
+            number = math.inf
+        if not math.isfinite(number):
+            self._bad_signal(f"{key}:{name}", "update_signals(%s): %s is not finite: %r", name, key, value)
+            return None
+        return number
 
     def _ttft(self, value: Any, name: str) -> tuple[float | None, float | None]:
         if isinstance(value, Distribution):

@@ -161,3 +161,14 @@ def test_ttft_uses_own_ewma_and_the_worse_of_gateway_and_engine() -> None:
     clock.advance(CFG.ttft_stale_seconds + 1)  # own observations go stale; the engine's remains
     balancer.update_signals("b0", {"ttft_seconds": Distribution(ewma=0.2)})
     assert balancer.factors("b0").ttft == pytest.approx(0.01)
+
+
+def test_non_finite_and_huge_signals_are_unknown_not_a_crash() -> None:
+    from llmdiag.model import Backend
+    from llmdiag.router_feedback.balancer import Balancer
+
+    balancer = Balancer([Backend.from_url("http://127.0.0.1:1", name="a")])
+    before = balancer.score("a")
+    balancer.update_signals("a", {"requests_waiting": 10**400, "kv_cache_usage": float("inf")})
+    assert balancer.counters["bad_signal_total"] == 2
+    assert balancer.score("a") >= before  # unknown, not "infinitely overloaded"
