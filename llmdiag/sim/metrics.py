@@ -60,6 +60,8 @@ class RunResult:
     dispatch_share: list[float]
     series: dict[str, Any] = field(default_factory=dict, repr=False)
     notes: list[tuple[float, str]] = field(default_factory=list, repr=False)
+    #: The TTFT distribution as (quantile, seconds) points, 0..1 in steps of 0.005 (for the CDF plot).
+    ttft_quantiles: list[tuple[float, float]] = field(default_factory=list, repr=False)
 
     def summary(self) -> dict[str, Any]:
         """The JSON fields of ``llmdiag bench sim --json`` for one policy."""
@@ -176,6 +178,8 @@ class RunMetrics:
             dispatch_share=[round(x, 4) for x in shares],
             series=self.series,
             notes=self.notes,
+            ttft_quantiles=[(q / 200, ttfts[min(len(ttfts) - 1, round(q / 200 * (len(ttfts) - 1)))])
+                            for q in range(201)] if ttfts else [],
         )
 
 

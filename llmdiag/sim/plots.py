@@ -9,7 +9,7 @@ __all__ = ["plot_scenario"]
 
 
 def plot_scenario(result: Any, out_dir: Path) -> list[Path]:
-    """Write ``<scenario>_ttft.png`` (P50/P99 TTFT per policy) and
+    """Write ``<scenario>_ttft.png`` (the TTFT CDF of every policy) and
     ``<scenario>_<policy>_load.png`` (waiting queue per engine over time).
     Returns the files written."""
     import matplotlib
@@ -20,18 +20,18 @@ def plot_scenario(result: Any, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     names = list(result.results)
-    p50 = [result.results[n].ttft_p50 or 0.0 for n in names]
-    p99 = [result.results[n].ttft_p99 or 0.0 for n in names]
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(names)), 4))
-    x = range(len(names))
-    ax.bar([i - 0.2 for i in x], p50, width=0.4, label="TTFT p50")
-    ax.bar([i + 0.2 for i in x], p99, width=0.4, label="TTFT p99")
-    ax.set_xticks(list(x))
-    ax.set_xticklabels(names, rotation=30, ha="right")
-    ax.set_ylabel("seconds")
-    ax.set_yscale("log")
-    ax.set_title(f"{result.scenario} / {result.trace} at {result.utilization:.0%} of capacity, {result.instances} engines")
-    ax.legend()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in names:
+        points = result.results[name].ttft_quantiles
+        if points:
+            ax.plot([t for _, t in points], [q for q, _ in points], linewidth=1.2, label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.axhline(0.99, color="grey", linewidth=0.6, linestyle=":")
+    ax.grid(True, which="both", linewidth=0.3)
+    ax.set_title(f"TTFT CDF: {result.scenario} / {result.trace} at {result.utilization:.0%}, {result.instances} engines")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     path = out_dir / f"{result.scenario}_ttft.png"
     fig.savefig(path, dpi=110)

@@ -96,6 +96,11 @@ def test_every_scenario_runs_sane(conv: Trace, scenario: str) -> None:
         assert min(m.ttfts) >= 0 and min(m.e2es) >= 0
         assert all(e2e >= 0 for e2e in m.e2es)
         assert result.ttft_p50 is not None and result.ttft_p50 <= result.ttft_p99
+        # the CDF behind the plot: 0..1 quantiles, non-decreasing, ending at the slowest request
+        qs = result.ttft_quantiles
+        assert [q for q, _ in qs] == [i / 200 for i in range(201)]
+        assert all(a[1] <= b[1] for a, b in zip(qs, qs[1:]))
+        assert qs[0][1] == min(m.ttfts) and qs[-1][1] == max(m.ttfts)
         # gateway counters return to zero when everything ended
         assert sim.gw.in_flight == [0] * 4 and sim.gw.pending_prefill == [0] * 4
         for eng in sim.engines:
