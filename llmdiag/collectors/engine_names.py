@@ -203,6 +203,16 @@ TRTLLM_SERVE = Dialect(
     ),
 )
 
+#: Triton core's cumulative counters, on every Triton /metrics (its TensorRT-LLM backend included).
+_TRITON_CORE_RULES: tuple[Rule, ...] = (
+    Rule("e2e_seconds", Kind.MEAN_COUNTERS, "nv_inference_request_duration_us", scale=1e-6,
+         other="nv_inference_request_success"),
+    Rule("queue_time_seconds", Kind.MEAN_COUNTERS, "nv_inference_queue_duration_us", scale=1e-6,
+         other="nv_inference_request_success"),
+    Rule("requests_finished_total", LC, "nv_inference_request_success", fixed_reason="ok"),
+    Rule("requests_finished_total", LC, "nv_inference_request_failure", source_label="reason"),
+)
+
 _KV = "nv_trt_llm_kv_cache_block_metrics"
 _REQ = "nv_trt_llm_request_metrics"
 
@@ -225,13 +235,7 @@ TRTLLM_TRITON = Dialect(
         # requests_paused, not a made-up preemptions_total.
         Rule("requests_paused", G, "nv_trt_llm_inflight_batcher_metrics",
              match=(("inflight_batcher_specific_metric", "paused_requests"),)),
-        Rule("e2e_seconds", Kind.MEAN_COUNTERS, "nv_inference_request_duration_us", scale=1e-6,
-             other="nv_inference_request_success"),
-        Rule("queue_time_seconds", Kind.MEAN_COUNTERS, "nv_inference_queue_duration_us", scale=1e-6,
-             other="nv_inference_request_success"),
-        Rule("requests_finished_total", LC, "nv_inference_request_success", fixed_reason="ok"),
-        Rule("requests_finished_total", LC, "nv_inference_request_failure", source_label="reason"),
-    ),
+    ) + _TRITON_CORE_RULES,
 )
 
 TRITON = Dialect(
@@ -241,13 +245,7 @@ TRITON = Dialect(
     rules=(
         Rule("requests_waiting", G, "nv_inference_pending_request_count"),
         Rule("ttft_seconds", H, "nv_inference_first_response_histogram_ms", scale=1e-3),
-        Rule("e2e_seconds", Kind.MEAN_COUNTERS, "nv_inference_request_duration_us", scale=1e-6,
-             other="nv_inference_request_success"),
-        Rule("queue_time_seconds", Kind.MEAN_COUNTERS, "nv_inference_queue_duration_us", scale=1e-6,
-             other="nv_inference_request_success"),
-        Rule("requests_finished_total", LC, "nv_inference_request_success", fixed_reason="ok"),
-        Rule("requests_finished_total", LC, "nv_inference_request_failure", source_label="reason"),
-    ),
+    ) + _TRITON_CORE_RULES,
 )
 
 TGI = Dialect(
