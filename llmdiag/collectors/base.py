@@ -78,9 +78,10 @@ class GuardedCollector:
             return CollectorStatus(
                 CollectorState.DEGRADED, f"collect() raised {self._last_error}", self._last_ok_ts, self.errors_total
             )
-        return CollectorStatus(
-            inner.status, inner.reason, inner.last_ok_ts or self._last_ok_ts, self.errors_total + inner.errors_total
-        )
+        # collect() returning without an exception is "ok" only if the collector itself says so:
+        # an unavailable collector returns [] every tick and has no last good tick.
+        last_ok = inner.last_ok_ts or (self._last_ok_ts if inner.status is CollectorState.OK else None)
+        return CollectorStatus(inner.status, inner.reason, last_ok, self.errors_total + inner.errors_total)
 
     def close(self) -> None:
         try:
