@@ -18,6 +18,7 @@ is ``utilization x capacity``, capacity being measured by saturating each engine
 from __future__ import annotations
 
 import csv
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +59,10 @@ class Trace:
 
 
 def shared_data_dir() -> Path:
-    """``../shared/data`` next to the repository (the project's shared data)."""
+    """Where the named traces live: ``$LLMDIAG_DATA_DIR``, else ``../shared/data`` next to the checkout."""
+    override = os.environ.get("LLMDIAG_DATA_DIR")
+    if override:
+        return Path(override)
     return Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
 
@@ -74,8 +78,8 @@ def load_trace(name_or_path: str, *, seed: int = 0, data_dir: Path | None = None
         path = data_dir / "traces" / f"{name_or_path}.csv"
     if not path.is_file():
         raise TraceError(
-            f"trace {name_or_path!r}: no such file (named traces: {', '.join(NAMED_TRACES)}; "
-            "or a CSV with arrival_s,input_tokens,output_tokens)"
+            f"trace {name_or_path!r}: no such file (named traces: {', '.join(NAMED_TRACES)}, looked for in "
+            f"{data_dir / 'traces'}, which LLMDIAG_DATA_DIR overrides; or a CSV with arrival_s,input_tokens,output_tokens)"
         )
     rows: list[tuple[float, int, int]] = []
     try:
