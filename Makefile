@@ -4,6 +4,8 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo test setup lint bench clean
 
+export LLMDIAG_VENV := $(VENV)
+
 setup:
 	@scripts/setup.sh
 

@@ -7,7 +7,8 @@
 #      drowns behind round robin while /health says 200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-LLMDIAG=.venv/bin/llmdiag
+VENV=${LLMDIAG_VENV:-.venv}
+LLMDIAG=$VENV/bin/llmdiag
 args=()
 for url in ${BACKENDS:-}; do args+=(--backend "$url"); done
 
@@ -15,7 +16,7 @@ for url in ${BACKENDS:-}; do args+=(--backend "$url"); done
 echo
 found=${#args[@]}
 if [ "$found" = 0 ]; then
-    found=$(.venv/bin/python -c 'from llmdiag.collectors.discovery import discover_engines; print(len(discover_engines()))' 2>/dev/null || echo 0)
+    found=$("$VENV/bin/python" -c 'from llmdiag.collectors.discovery import discover_engines; print(len(discover_engines()))' 2>/dev/null || echo 0)
 fi
 if [ "$found" != 0 ]; then
     echo "== llmdiag diagnose --duration ${DEMO_SECONDS:-30} on the engines of this host =="

@@ -61,36 +61,55 @@ if [ "${#missing[@]}" -gt 0 ]; then
             say "package $pkg is not in this distribution's archive; skipped (doctor reports what is missing)"
         fi
     done
-    [ "${#installable[@]}" -gt 0 ] && apt_install "${installable[@]}"
+    if [ "${#installable[@]}" -gt 0 ]; then
+        apt_install "${installable[@]}" || say "could not install: ${installable[*]} (what needs them will say so)"
+    fi
 fi
 
 # --- 2. kernel headers for bcc -------------------------------------------------
+# Failures here are warnings: the engine, /proc and GPU collectors need no headers.
 KREL=$(uname -r)
 MODDIR=/lib/modules/$KREL
+link_generic_headers() {
+    # A custom kernel (a Firecracker guest, a WSL2 or container host kernel) has no headers
+    # package: use the distribution's generic headers. Tracepoint-only programs compile and
+    # run this way; kernel structs read through them may have the wrong layout (SPEC section 2).
+    # Debian: linux-headers-amd64 -> /usr/src/linux-headers-V-amd64 (+ V-common);
+    # Ubuntu: linux-headers-generic -> /usr/src/linux-headers-V-generic (+ V).
+    local arch pkg hdr src
+    arch=$(dpkg --print-architecture)
+    for pkg in "linux-headers-$arch" linux-headers-generic; do
+        if dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
+            break
+        fi
+        if apt-cache show "$pkg" >/dev/null 2>&1; then
+            apt_install "$pkg" && break
+        fi
+    done
+    hdr=$( (ls -d /usr/src/linux-headers-*-"$arch" /usr/src/linux-headers-*-generic 2>/dev/null || true) | sort -V | tail -n 1)
+    if [ -z "$hdr" ]; then
+        say "no generic kernel headers found under /usr/src; BPF collectors will be unavailable"
+        return 0
+    fi
+    src=$hdr
+    for candidate in "${hdr%-*}-common" "${hdr%-*}"; do
+        if [ -d "$candidate/include" ]; then src=$candidate; break; fi
+    done
+    mkdir -p "$MODDIR"
+    ln -sfn "$hdr" "$MODDIR/build"
+    ln -sfn "$src" "$MODDIR/source"
+    say "kernel $KREL has no headers package: linked $MODDIR/build -> $hdr and $MODDIR/source -> $src (fallback headers)"
+}
 if [ ! -e "$MODDIR/build/include" ] && [ ! -e /sys/kernel/kheaders.tar.xz ]; then
-    if is_root && { [ "$apt_updated" = 1 ] || { apt-get update -qq && apt_updated=1; }; } \
-        && apt-cache show "linux-headers-$KREL" >/dev/null 2>&1; then
-        apt_install "linux-headers-$KREL"
-    elif is_root; then
-        # A custom kernel (like a Firecracker guest) has no headers package: use the
-        # distribution's generic headers. Tracepoint-only programs compile and run this way;
-        # kernel structs read through them may have the wrong layout (SPEC section 2).
-        arch=$(dpkg --print-architecture)
-        if ! dpkg-query -W -f='${Status}' "linux-headers-$arch" 2>/dev/null | grep -q "install ok installed"; then
-            apt_install "linux-headers-$arch"
-        fi
-        hdr=$(ls -d /usr/src/linux-headers-*-"$arch" 2>/dev/null | sort -V | tail -n 1)
-        common=${hdr%-"$arch"}-common
-        if [ -z "$hdr" ] || [ ! -d "$common" ]; then
-            say "no generic kernel headers found under /usr/src; BPF collectors will be unavailable"
-        else
-            mkdir -p "$MODDIR"
-            ln -sfn "$hdr" "$MODDIR/build"
-            ln -sfn "$common" "$MODDIR/source"
-            say "kernel $KREL has no headers package: linked $MODDIR/build -> $hdr and $MODDIR/source -> $common (fallback headers)"
-        fi
-    else
+    if ! is_root; then
         say "no kernel headers at $MODDIR/build and not root to install them; BPF collectors will be unavailable"
+    else
+        if [ "$apt_updated" = 0 ]; then apt-get update -qq && apt_updated=1 || true; fi
+        if apt-cache show "linux-headers-$KREL" >/dev/null 2>&1 && apt_install "linux-headers-$KREL"; then
+            :
+        else
+            link_generic_headers || say "kernel headers set-up failed; BPF collectors will be unavailable"
+        fi
     fi
 fi
 
@@ -104,9 +123,15 @@ if is_root && [ -d /sys/kernel/debug ] && [ ! -e /sys/kernel/debug/tracing ]; th
 fi
 
 # --- 4. the venv -----------------------------------------------------------------
-if [ ! -x "$VENV/bin/python" ]; then
+if ! /usr/bin/python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    say "llmdiag needs Python >= 3.11 as /usr/bin/python3 (bcc comes from the distribution's Python);"
+    say "this system has $(/usr/bin/python3 --version 2>&1 || echo none): use Debian 12 or Ubuntu 24.04"
+    exit 1
+fi
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+    # (A venv made without ensurepip has a python but no pip: make it again.)
     say "creating $VENV from /usr/bin/python3 with --system-site-packages (bcc comes from python3-bpfcc)"
-    /usr/bin/python3 -m venv --system-site-packages "$VENV"
+    /usr/bin/python3 -m venv --clear --system-site-packages "$VENV"
 fi
 stamp="$VENV/.llmdiag-installed"
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)

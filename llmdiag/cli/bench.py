@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from llmdiag.cli.main import EX_USAGE
 from llmdiag.config import Config
 
 __all__ = ["BENCH_SUBCOMMANDS", "register"]
@@ -60,7 +61,7 @@ def register(subparsers: Any) -> None:
 
 def _no_subcommand(parser: argparse.ArgumentParser) -> int:
     parser.print_help(sys.stderr)
-    return 2
+    return EX_USAGE
 
 
 def _run_balancer(args: argparse.Namespace, config: Config) -> int:
@@ -70,10 +71,10 @@ def _run_balancer(args: argparse.Namespace, config: Config) -> int:
         counts = [int(x) for x in args.backends.split(",") if x.strip()]
     except ValueError:
         print(f"llmdiag bench balancer: --backends wants integers, got {args.backends!r}", file=sys.stderr)
-        return 2
+        return EX_USAGE
     if not counts or min(counts) < 1 or args.iterations < 1:
         print("llmdiag bench balancer: need --iterations >= 1 and backend counts >= 1", file=sys.stderr)
-        return 2
+        return EX_USAGE
     if args.json:
         result = bench_balancer(args.iterations, counts, config.balancer)
         print(json.dumps(result, indent=2))

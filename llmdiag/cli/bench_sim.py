@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from llmdiag.cli.main import EX_USAGE
 from llmdiag.config import Config
 
 __all__ = ["register"]
@@ -89,17 +90,17 @@ def _run(args: argparse.Namespace, config: Config) -> int:
     for s in scenarios:
         if s not in SCENARIOS:
             err.print(f"llmdiag bench sim: unknown scenario {s!r} (known: {', '.join(SCENARIOS)}, all)")
-            return 2
+            return EX_USAGE
     for p in policies:
         if p not in POLICIES:
             err.print(f"llmdiag bench sim: unknown policy {p!r} (known: {', '.join(POLICIES)})")
-            return 2
+            return EX_USAGE
     if not policies or args.instances < 1 or not 0 < args.utilization <= 2:
         err.print("llmdiag bench sim: need at least one policy, --instances >= 1 and 0 < --utilization <= 2")
-        return 2
+        return EX_USAGE
     if args.duration is not None and not args.duration > 0:
         err.print("llmdiag bench sim: --duration must be > 0")
-        return 2
+        return EX_USAGE
     try:
         sim_config = SimConfig(
             scrape_interval_s=args.scrape_interval,
@@ -108,7 +109,7 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         )
     except ValueError as exc:
         err.print(f"llmdiag bench sim: {exc}")
-        return 2
+        return EX_USAGE
     balancer_config = getattr(config, "balancer", None)
     policy_options = {"llmdiag": {"config": balancer_config}} if balancer_config is not None else None
 
@@ -156,7 +157,7 @@ def _run(args: argparse.Namespace, config: Config) -> int:
                 )
             except (TraceError, ValueError) as exc:
                 err.print(f"llmdiag bench sim: {exc}")
-                return 2
+                return EX_USAGE
             outputs.append(result)
             if not args.json:
                 out = Console()

@@ -26,6 +26,7 @@ from llmdiag.config import Config
 from llmdiag.model import Snapshot, write_snapshots
 
 from llmdiag.cli import wiring
+from llmdiag.cli.main import EX_USAGE, positive_seconds
 
 
 def snapshot_stream(
@@ -66,10 +67,7 @@ def handle(args: argparse.Namespace, config: Config) -> int:
     if args.interval is not None:
         config = dataclasses.replace(config, agent=dataclasses.replace(config.agent, interval_seconds=args.interval))
     if args.nvml_replay:
-        if not hasattr(config, "gpu"):
-            print("llmdiag: --nvml-replay needs the gpu collector, which this build does not have", file=sys.stderr)
-            return 2
-        config = dataclasses.replace(config, gpu=dataclasses.replace(config.gpu, replay_file=args.nvml_replay))  # type: ignore[attr-defined]
+        config = dataclasses.replace(config, gpu=dataclasses.replace(config.gpu, replay_file=args.nvml_replay))
     names = [n.strip() for n in args.collectors.split(",") if n.strip()] if args.collectors else None
     try:
         stream = snapshot_stream(config, names, duration=args.duration, once=args.once)
@@ -84,7 +82,10 @@ def handle(args: argparse.Namespace, config: Config) -> int:
                 _print_summary(snap)
     except ValueError as exc:
         print(f"llmdiag: {exc}", file=sys.stderr)
-        return 2
+        return EX_USAGE
+    except OSError as exc:
+        print(f"llmdiag: cannot write {args.record}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -112,9 +113,9 @@ def register(sub: Any) -> None:
     )
     when = parser.add_mutually_exclusive_group()
     when.add_argument("--once", action="store_true", help="print one snapshot (after one priming interval) and exit")
-    when.add_argument("--duration", type=float, metavar="S", help="collect for S seconds (default: until Ctrl-C)")
+    when.add_argument("--duration", type=positive_seconds, metavar="S", help="collect for S seconds (default: until Ctrl-C)")
     parser.add_argument("--collectors", metavar="A,B", help="collectors to run (default: all available)")
-    parser.add_argument("--interval", type=float, metavar="S", help="seconds between snapshots (default: [agent] interval_seconds)")
+    parser.add_argument("--interval", type=positive_seconds, metavar="S", help="seconds between snapshots (default: [agent] interval_seconds)")
     parser.add_argument("--nvml-replay", metavar="FILE", help="drive the gpu collector from a recorded NVML replay file")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print each snapshot as one JSON line")

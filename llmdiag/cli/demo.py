@@ -24,6 +24,7 @@ from rich.text import Text
 
 from llmdiag.analyzers import Analyzer, backend_health
 from llmdiag.cli.diagnose import analyze
+from llmdiag.cli.main import positive_seconds
 from llmdiag.cli.report import print_report
 from llmdiag.cli.wiring import snapshot_ticks
 from llmdiag.config import Config
@@ -49,14 +50,14 @@ def _table(snap: Snapshot, analyzer: Analyzer, balancer: Balancer, elapsed: floa
         open_by_backend.setdefault(d.backend, []).append(f"{d.kind} ({d.severity.value})")
     states = {s.name: s for s in balancer.snapshot_states()}
     table = Table(title=f"llmdiag demo: {elapsed:4.0f}s, {fleet.stats.sent} requests sent", expand=True)
-    for col in ("backend", "/health", "waiting", "running", "KV", "TTFT ewma", "penalty", "score", "weight", "diagnoses"):
+    for col in ("backend", "up (/metrics)", "waiting", "running", "KV", "TTFT ewma", "penalty", "score", "weight", "diagnoses"):
         table.add_column(col, overflow="fold")
     for name in sorted(snap.backends):
         s = snap.backends[name]
         st = states.get(name)
         diag = ", ".join(open_by_backend.get(name, [])) or "-"
         table.add_row(
-            name, "200 OK" if s.get("up") == 1 else "down", _fmt(s.get("requests_waiting"), ".0f"),
+            name, "up" if s.get("up") == 1 else "down", _fmt(s.get("requests_waiting"), ".0f"),
             _fmt(s.get("requests_running"), ".0f"), _fmt(s.get("kv_cache_usage"), ".0%"),
             _fmt(s.get("ttft_seconds"), ".2f", " s"), f"{st.penalty:.2f}" if st else "-",
             f"{st.score:.0f}" if st else "-", f"{st.weight_percent}%" if st else "-",
@@ -117,9 +118,10 @@ def handle(args: argparse.Namespace, config: Config) -> int:
 def register(sub: Any) -> None:
     parser = sub.add_parser("demo", help="watch llmdiag catch an overloaded engine in a fleet of fake vLLM engines",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=float, default=60.0, metavar="S", help="seconds to run (default 60)")
-    parser.add_argument("--rate", type=float, default=3.0, metavar="RPS", help="requests per second over the fleet (default 3)")
-    parser.add_argument("--fault-at", type=float, default=None, metavar="S",
+    parser.add_argument("--duration", type=positive_seconds, default=60.0, metavar="S", help="seconds to run (default 60)")
+    parser.add_argument("--rate", type=positive_seconds, default=3.0, metavar="RPS",
+                        help="requests per second over the fleet (default 3)")
+    parser.add_argument("--fault-at", type=positive_seconds, default=None, metavar="S",
                         help="when vllm-2 goes bad (default 15 s, or a quarter of a shorter --duration)")
     parser.add_argument("--no-live", action="store_true", help="no live table, only the final report")
     parser.set_defaults(handler=handle)

@@ -28,11 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmdiag.analyzers import Analyzer, BackendHealth
+from llmdiag.cli.main import EX_USAGE
 from llmdiag.config import Config
 from llmdiag.model import Backend, CollectorStatus, Diagnosis, Severity, Snapshot, SnapshotError, read_snapshots
-
-#: Exit code for a bad option value (sysexits.h EX_USAGE): 1 and 2 mean warning and critical.
-EX_USAGE = 64
 
 __all__ = ["DiagnoseReport", "Episode", "analyze", "live_snapshots", "register"]
 

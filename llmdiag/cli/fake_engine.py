@@ -18,6 +18,7 @@ import signal
 import sys
 from typing import Any
 
+from llmdiag.cli.main import EX_USAGE
 from llmdiag.config import Config
 from llmdiag.sim.engine_model import PRESETS
 from llmdiag.sim.fake_engine import FakeEngine, FakeEngineOptions
@@ -45,9 +46,10 @@ def handle(args: argparse.Namespace, config: Config) -> int:
             kv_capacity_tokens=args.kv_capacity, queue_limit=args.queue_limit,
             faults=parse_faults(args.faults or ""), engine_label=args.engine_label, seed=args.seed,
         )
+        FakeEngine(options)  # checks the model options before anything listens
     except ValueError as exc:
         print(f"llmdiag fake-engine: {exc}", file=sys.stderr)
-        return 2
+        return EX_USAGE
     try:
         asyncio.run(_serve(options))
     except OSError as exc:
@@ -56,15 +58,29 @@ def handle(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0..65535, got {port}")
+    return port
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def register(sub: Any) -> None:
     parser = sub.add_parser("fake-engine", help="run a vLLM-like fake engine (OpenAI API + vLLM /metrics) for demos and tests",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    parser.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0 picks a free one)")
     parser.add_argument("--model", default="fake/llama3-8b", help="model name served")
     parser.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PRESETS), help="step-time and capacity preset")
-    parser.add_argument("--kv-capacity", type=int, metavar="TOKENS", help="KV cache capacity in tokens (default: the preset's)")
-    parser.add_argument("--queue-limit", type=int, metavar="N", help="answer 429 (saturation body) when N requests wait")
+    parser.add_argument("--kv-capacity", type=_positive_int, metavar="TOKENS", help="KV cache capacity in tokens (default: the preset's)")
+    parser.add_argument("--queue-limit", type=_positive_int, metavar="N", help="answer 429 (saturation body) when N requests wait")
     parser.add_argument("--faults", metavar="SPEC", help='fault schedule, e.g. "slowdown:start=30,speed=0.4;crash:start=90,down=15"')
     parser.add_argument("--engine-label", default="0", help="value of the engine label on /metrics")
     parser.add_argument("--seed", type=int, default=0)

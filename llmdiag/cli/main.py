@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import signal
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from llmdiag import __version__
 from llmdiag.config import ConfigError, load_config
@@ -30,8 +32,30 @@ COMMAND_MODULES = (
 )
 
 
+#: Exit code for a usage mistake (sysexits.h EX_USAGE). argparse's own 2 would read as
+#: "critical" from `diagnose` and `demo`, whose 1 and 2 mean warning and critical.
+EX_USAGE = 64
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EX_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number > 0 (durations, intervals, rates)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="llmdiag",
         description=(
             "Find hidden overload on LLM-inference GPU hosts (full KV cache, climbing TTFT, "
@@ -68,12 +92,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if not getattr(args, "handler", None):
         parser.print_help()
-        return 2
+        return EX_USAGE
     try:
         config = load_config(args.config).with_backends(args.backend)
     except ConfigError as exc:
         print(f"llmdiag: {exc}", file=sys.stderr)
-        return 2
+        return EX_USAGE
     # SIGTERM (kubectl delete, timeout, systemd) stops like Ctrl-C, so every command's
     # `finally` runs: BPF programs detached, threads joined, the terminal restored.
     signal.signal(signal.SIGTERM, _raise_interrupt)

@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Any
 
+from llmdiag.cli.main import EX_USAGE
 from llmdiag.collectors.engine import BackendScrape, EngineCollector
 from llmdiag.config import Config
 from llmdiag.model import Backend, BackendURLError, Distribution, encode_value
@@ -75,7 +76,7 @@ def to_json(url: str, scrape: BackendScrape) -> dict[str, Any]:
 def run(args: argparse.Namespace, config: Config) -> int:
     if args.interval < 0:
         print("llmdiag scrape: --interval must be >= 0", file=sys.stderr)
-        return 2
+        return EX_USAGE
     url = args.url.rstrip("/")
     if url.endswith("/metrics"):
         url = url[: -len("/metrics")]
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
         scrape = scrape_once(url, config, args.interval, args.engine)
     except BackendURLError as exc:
         print(f"llmdiag scrape: {exc}", file=sys.stderr)
-        return 2
+        return EX_USAGE
     if args.json:
         print(json.dumps(to_json(url, scrape), allow_nan=False))
     else:

@@ -150,8 +150,13 @@ def snapshot_ticks(
     prime: bool = False,
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
+    monotonic: Callable[[], float] | None = None,
 ) -> Iterator[Snapshot]:
     """Build the collectors and yield one snapshot every ``[agent] interval_seconds``.
+
+    ``clock`` stamps the snapshots (wall time); ticks are scheduled on ``monotonic``
+    (default ``time.monotonic``, or ``clock`` itself when a test injects one) so that a
+    wall-clock step (NTP) never stalls or bunches the ticks.
 
     ``duration`` gives ``max(1, round(duration / interval))`` snapshots (``None``: until the
     consumer stops). ``prime`` runs one unreported tick first, so that rates and window
@@ -165,11 +170,12 @@ def snapshot_ticks(
     hostname = config.agent.hostname or socket.gethostname()
     interval = config.agent.interval_seconds
     ticks = None if duration is None else max(1, int(round(duration / interval)))
+    mono = monotonic or (time.monotonic if clock is time.time else clock)
     try:
         if prime:
             collect_snapshot(collectors, clock(), hostname)
             sleep(interval)
-        next_tick = clock()
+        next_tick = mono()
         count = 0
         while True:
             snap = collect_snapshot(collectors, clock(), hostname)
@@ -179,7 +185,7 @@ def snapshot_ticks(
             if ticks is not None and count >= ticks:
                 return
             next_tick += interval
-            delay = next_tick - clock()
+            delay = next_tick - mono()
             if delay > 0:
                 sleep(delay)
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from llmdiag.model import ENGINES, Backend
@@ -26,8 +27,8 @@ class AgentConfig:
     collectors: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.interval_seconds > 0:
-            raise ValueError(f"interval_seconds must be > 0, got {self.interval_seconds}")
+        if not (math.isfinite(self.interval_seconds) and self.interval_seconds > 0):
+            raise ValueError(f"interval_seconds must be a finite number > 0, got {self.interval_seconds}")
         if not 0 <= self.listen_port <= 65535:
             raise ValueError(f"listen_port must be 0..65535, got {self.listen_port}")
 

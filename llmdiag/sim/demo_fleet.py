@@ -96,18 +96,23 @@ async def run_load(urls: Sequence[str], model: str, rate_rps: float, duration_s:
     rr = itertools.cycle(urls)
     tasks: set[asyncio.Task[None]] = set()
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)  # keep-alive pool; no TIME_WAIT storm of our own
+    if not (rate_rps > 0 and math.isfinite(rate_rps)):
+        raise ValueError(f"rate must be a finite number of requests per second > 0, got {rate_rps!r}")
     async with aiohttp.ClientSession(connector=connector) as session:
-        end = time.monotonic() + duration_s
-        while time.monotonic() < end and not (stop and stop.is_set()):
-            prompt, output = sample_lengths(rng)
-            task = asyncio.create_task(_one_request(session, next(rr), model, prompt, output, client_timeout_s, stats))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            stats.sent += 1
-            await asyncio.sleep(rng.expovariate(rate_rps))
-        for task in list(tasks):
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            end = time.monotonic() + duration_s
+            while time.monotonic() < end and not (stop and stop.is_set()):
+                prompt, output = sample_lengths(rng)
+                task = asyncio.create_task(_one_request(session, next(rr), model, prompt, output, client_timeout_s, stats))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                stats.sent += 1
+                await asyncio.sleep(rng.expovariate(rate_rps))
+        finally:
+            # In-flight requests end before the session closes, whatever ended the loop.
+            for task in list(tasks):
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     return stats
 
 

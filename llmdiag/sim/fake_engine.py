@@ -170,7 +170,10 @@ class FakeEngine:
         self._tasks = [asyncio.create_task(self._engine_loop()), asyncio.create_task(self._fault_loop())]
 
     async def _listen(self) -> None:
-        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=0.2)
+        # handler_cancellation: a client that hangs up cancels its handler at once (aiohttp no
+        # longer does by default), so its request is aborted in the engine as vLLM does, even
+        # while it is still waiting and nothing is being written to it.
+        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=0.2, handler_cancellation=True)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.options.host, self.port, reuse_address=True)
         await self._site.start()
@@ -280,6 +283,15 @@ class FakeEngine:
             if stream.req.finished_at is None:
                 err = {"error": {"message": "engine core died", "type": "internal_error", "code": 500}}
                 await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+            else:
+                # The last chunk carries finish_reason and usage, as OpenAI-compatible servers send it.
+                last = ({"index": 0, "delta": {}, "finish_reason": "length"} if chat
+                        else {"index": 0, "text": "", "finish_reason": "length"})
+                usage = {"prompt_tokens": stream.req.prompt, "completion_tokens": stream.req.output,
+                         "total_tokens": stream.req.prompt + stream.req.output}
+                chunk = {"id": f"cmpl-{stream.req.rid}", "object": obj, "model": self.options.model,
+                         "choices": [last], "usage": usage}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionError:

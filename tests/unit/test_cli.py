@@ -36,12 +36,12 @@ def test_top_level_help_lists_commands() -> None:
 
 
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([]) == 2
+    assert main([]) == 64
     assert "usage: llmdiag" in capsys.readouterr().out
 
 
 def test_collect_rejects_unknown_collector(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["collect", "--once", "--collectors", "no_such_collector", "--json"]) == 2
+    assert main(["collect", "--once", "--collectors", "no_such_collector", "--json"]) == 64
     assert "unknown collector(s): no_such_collector" in capsys.readouterr().err
 
 
@@ -56,3 +56,25 @@ def test_collect_once_then_record_and_replay(tmp_path, capsys: pytest.CaptureFix
     assert "recorded 3 snapshot(s)" in capsys.readouterr().err
     assert main(["diagnose", "--replay", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["diagnoses"] == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["collect", "--interval", "0"],
+    ["collect", "--duration", "inf"],
+    ["demo", "--rate", "0"],
+    ["demo", "--duration", "-5"],
+    ["fake-engine", "--port", "70000"],
+    ["fake-engine", "--kv-capacity", "-5"],
+    ["diagnose", "--duration", "abc"],
+    ["--backend", "ftp://x:1", "diagnose"],
+])
+def test_usage_mistakes_exit_64_never_a_traceback(argv: list[str]) -> None:
+    # 64 (EX_USAGE), not argparse's 2, which `diagnose` and `demo` use for "critical".
+    proc = subprocess.run([sys.executable, "-m", "llmdiag.cli", *argv], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 64, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_record_to_an_unwritable_path_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["collect", "--once", "--interval", "0.05", "--collectors", "proc", "--record", "/nonexistent/dir/x.jsonl"]) == 1
+    assert "cannot write /nonexistent/dir/x.jsonl" in capsys.readouterr().err

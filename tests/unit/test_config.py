@@ -31,7 +31,8 @@ def test_round_trip_through_plain_data() -> None:
     ("[agent]\nintervl = 1\n", "unknown config key 'agent.intervl'"),
     ("nonsense = 1\n", "unknown config key 'nonsense'"),
     ('[agent]\ninterval_seconds = "fast"\n', "config key 'agent.interval_seconds' must be a number"),
-    ("[agent]\ninterval_seconds = 0\n", "interval_seconds must be > 0"),
+    ("[agent]\ninterval_seconds = 0\n", "interval_seconds must be a finite number > 0"),
+    ("[agent]\ninterval_seconds = inf\n", "interval_seconds must be a finite number > 0"),
     ("[agent]\ndiscover = 1\n", "must be true or false"),
     ('[[backends]]\nurl = "ftp://x:1"\n', "backends[0]"),
     ('[[backends]]\nname = "a"\n', "needs a url"),
@@ -56,7 +57,7 @@ def test_backend_option_overrides_config() -> None:
 def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[agent]\nbogus = 1\n")
-    assert main(["--config", str(path), "doctor", "--json"]) == 2
+    assert main(["--config", str(path), "doctor", "--json"]) == 64
     assert f"{path}: unknown config key 'agent.bogus'" in capsys.readouterr().err
-    assert main(["--config", str(tmp_path / "missing.toml"), "doctor"]) == 2
+    assert main(["--config", str(tmp_path / "missing.toml"), "doctor"]) == 64
     assert "cannot read config file" in capsys.readouterr().err

@@ -53,5 +53,5 @@ def test_scrape_of_a_dead_port_exits_1(capsys):
 
 
 def test_scrape_of_a_bad_url_exits_2(capsys):
-    assert main(["scrape", "ftp://x:1", "--json"]) == 2
+    assert main(["scrape", "ftp://x:1", "--json"]) == 64
     assert "scheme" in capsys.readouterr().err

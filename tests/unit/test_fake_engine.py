@@ -44,7 +44,10 @@ async def test_streaming_completion_yields_every_token(engine: FakeEngine) -> No
             async for line in resp.content:
                 if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
                     chunks.append(json.loads(line[6:]))
-        assert len(chunks) == 7
+        tokens = [c for c in chunks if c["choices"][0]["text"]]
+        assert len(tokens) == 7
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["usage"] == {"prompt_tokens": 100, "completion_tokens": 7, "total_tokens": 107}
         metrics = await _metrics(session, engine)
     assert metrics["vllm:prompt_tokens_total"] == 100  # 400 characters / 4
     assert metrics["vllm:generation_tokens_total"] == 7
@@ -120,3 +123,32 @@ async def test_crash_closes_the_port_and_restart_resets_counters() -> None:
         assert "vllm:request_success_total[length]" not in metrics  # a restarted engine starts from zero
     finally:
         await eng.stop()
+
+
+async def test_client_that_gives_up_while_waiting_is_aborted() -> None:
+    """A client that hangs up before its first token is aborted at once, streaming or not (as vLLM does)."""
+    eng = FakeEngine(FakeEngineOptions(port=0, kv_capacity_tokens=2000))
+    await eng.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            hog = asyncio.create_task(session.post(f"{eng.url}/v1/completions", json={"prompt_tokens": 1900, "max_tokens": 300}))
+            while eng.model.num_running < 1:
+                await asyncio.sleep(0.005)
+            body = {"prompt_tokens": 1500, "max_tokens": 5}
+            with pytest.raises(asyncio.TimeoutError):  # no answer until done: the client gives up
+                await asyncio.wait_for(session.post(f"{eng.url}/v1/completions", json=body), timeout=0.3)
+            resp = await session.post(f"{eng.url}/v1/completions", json={**body, "stream": True})
+            with pytest.raises(asyncio.TimeoutError):  # headers came, no token yet: the client gives up
+                await asyncio.wait_for(resp.content.readline(), timeout=0.3)
+            resp.close()
+            for _ in range(100):
+                if eng.model.num_waiting == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert eng.model.num_waiting == 0  # both impatient requests left the queue
+            metrics = await _metrics(session, eng)
+            assert metrics["vllm:request_success_total[abort]"] == 2
+            hog.cancel()
+    finally:
+        await eng.stop()
+

@@ -165,7 +165,7 @@ def test_cli_bench_sim_json(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(capsys.readouterr().out)
     assert doc["scenario"] == "clean" and set(doc["results"]) == {"round_robin", "oracle"}
     rc = main(["bench", "sim", "--scenario", "nope"])
-    assert rc == 2
+    assert rc == 64
     assert "unknown scenario" in capsys.readouterr().err
 
 
