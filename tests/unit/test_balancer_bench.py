@@ -36,6 +36,6 @@ def test_bench_balancer_table_output(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_bench_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run(["bench", "balancer", "--backends", "ten"]) == 2
+    assert run(["bench", "balancer", "--backends", "ten"]) == 64  # EX_USAGE
     assert "--backends" in capsys.readouterr().err
-    assert run(["bench"]) == 2
+    assert run(["bench"]) == 64
