@@ -50,10 +50,15 @@ def _by_key(events: Iterable[Event]) -> dict[str, list[Event]]:
     return out
 
 
+def _indexed(events: Iterable[Event]) -> tuple[dict[str, list[Event]], dict[str, list[float]]]:
+    """Events by key, sorted by time, and their timestamps (for bisect)."""
+    by_key = _by_key(events)
+    return by_key, {k: [e.ts for e in v] for k, v in by_key.items()}
+
+
 def follows(first: Iterable[Event], then: Iterable[Event], within: float) -> list[Match]:
     """Each ``first`` event matched with the earliest ``then`` event on its key in ``[ts, ts + within]``."""
-    later = _by_key(then)
-    stamps = {k: [e.ts for e in v] for k, v in later.items()}
+    later, stamps = _indexed(then)
     matches = []
     for a in sorted(first, key=lambda e: e.ts):
         lst = later.get(a.key)
@@ -67,8 +72,7 @@ def follows(first: Iterable[Event], then: Iterable[Event], within: float) -> lis
 
 def coincide(first: Iterable[Event], other: Iterable[Event], within: float) -> list[Match]:
     """Each ``first`` event matched with the nearest ``other`` event on its key no more than ``within`` away."""
-    others = _by_key(other)
-    stamps = {k: [e.ts for e in v] for k, v in others.items()}
+    others, stamps = _indexed(other)
     matches = []
     for a in sorted(first, key=lambda e: e.ts):
         lst = others.get(a.key)
