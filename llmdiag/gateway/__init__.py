@@ -1,0 +1,1 @@
+"""Python request paths that route with the balancer: the OpenAI-compatible proxy and LiteLLM strategy."""
