@@ -31,6 +31,7 @@ COMMAND_MODULES = (
     "llmdiag.cli.gateway",
     "llmdiag.cli.demo",
     "llmdiag.cli.picker",
+    "llmdiag.cli.agent",
 )
 
 

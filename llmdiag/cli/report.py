@@ -14,7 +14,7 @@ from rich.text import Text
 from llmdiag.model import HOST, CollectorState, Severity
 
 if TYPE_CHECKING:
-    from llmdiag.cli.diagnose import DiagnoseReport, Episode
+    from llmdiag.agent.loop import DiagnoseReport, Episode
 
 __all__ = ["print_report", "render_report"]
 

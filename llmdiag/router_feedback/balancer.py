@@ -58,7 +58,6 @@ from llmdiag.model import (
     BackendState,
     Diagnosis,
     Distribution,
-    PenaltiesDocument,
     Reason,
     Severity,
 )
@@ -689,11 +688,6 @@ class Balancer:
                     )
                 )
             return out
-
-    def penalties_document(self, host: str, ttl_seconds: float = 5, ts: float | None = None) -> PenaltiesDocument:
-        """The ``llmdiag.penalties/v1`` document (``ts`` defaults to the wall clock)."""
-        return PenaltiesDocument(ts=time.time() if ts is None else ts, host=host, ttl_seconds=ttl_seconds,
-                                 backends=tuple(self.snapshot_states()))
 
     def probe_targets(self) -> list[tuple[Backend, BreakerState]]:
         """Backends with their circuit state, for the active prober."""

@@ -326,7 +326,7 @@ def test_a_scrape_without_engine_metrics_says_so():
 
 
 def test_factory_is_registered():
-    from llmdiag.cli.wiring import COLLECTOR_FACTORIES
+    from llmdiag.agent.wiring import COLLECTOR_FACTORIES
     from llmdiag.config import Config
 
     collector = COLLECTOR_FACTORIES["engine"](Config(), [Backend.from_url("http://127.0.0.1:9")])
