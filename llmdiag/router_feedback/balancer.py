@@ -119,6 +119,8 @@ class Balancer:
             "no_backend_total": 0,
             "unknown_backend_feedback_total": 0,
             "bad_signal_total": 0,
+            "penalty_self_observed_total": 0,  # penalties with a self-observed part not charged again
+            "down_ejections_total": 0,  # ejections enforced for a backend_down report
         }
         self._speed = PrefillSpeed(cfg)
         self._rules = HealthRules(cfg, self.counters)
@@ -206,6 +208,12 @@ class Balancer:
             fresh = h.ttft_ewma is not None and now - h.ttft_ts <= self.config.score.ttft_stale_seconds
             h.ttft_ewma = alpha * ttft + (1.0 - alpha) * h.ttft_ewma if fresh else float(ttft)  # type: ignore[operator]
             h.ttft_ts = now
+            if h.breaker.state is BreakerState.HALF_OPEN and h.breaker.on_success(now):
+                # A first token proves the engine serves: half-open need not wait for whole requests.
+                self._rules.note_transition(slot, h, now)
+                self._rules.rescore(slot, h, now)
+                self._rebuild(now)
+                return
             self._rules.rescore(slot, h, now)
 
     def on_finish(
@@ -258,6 +266,8 @@ class Balancer:
                 h.errors += 1.0
                 if cls is not ResponseClass.SATURATED:
                     # Saturation means busy, not broken: cooling handles it; the breaker counts faults.
+                    if cls is ResponseClass.CONNECT_ERROR:
+                        h.breaker.on_refused()
                     rebuild = h.breaker.on_failure(now)
                 cooling = classification.cools or classification.retry_after is not None
                 if cooling and rules.cool(h, now, classification, self._rng.random):
@@ -269,8 +279,12 @@ class Balancer:
                 self._rebuild(now)
         return classification
 
-    def on_probe(self, backend: Backend | str, ok: bool) -> None:
-        """An active probe result (see :mod:`llmdiag.router_feedback.probes`)."""
+    def on_probe(self, backend: Backend | str, ok: bool, refused: bool = False) -> None:
+        """An active probe result (see :mod:`llmdiag.router_feedback.probes`).
+
+        ``refused``: the probe's connection was refused (the process is gone);
+        then the first good probe re-admits (half-open) unless the backend flaps.
+        """
         slot = self._slot(backend, "on_probe")
         if slot is None:
             return
@@ -279,7 +293,7 @@ class Balancer:
             h = self._health.get(slot.name)
             if h is None:
                 return
-            if h.breaker.on_probe(bool(ok), now):
+            if h.breaker.on_probe(bool(ok), now, refused=bool(refused)):
                 self._rules.note_transition(slot, h, now)
                 self._rules.rescore(slot, h, now)
                 self._rebuild(now)
@@ -313,12 +327,18 @@ class Balancer:
                 up = signals.number(snapshot_signals["up"], "up", slot.name)
                 if up is not None:
                     if h.up is not None and h.up < 0.5 <= up:
-                        self._rules.start_warming(slot, h, now)
+                        self._rules.start_warming(slot, h, now, unless_warming=True)
                     h.up = up
             self._rules.rescore(slot, h, now)
 
     def set_penalty(self, backend: Backend | str, penalty: float, reasons: Iterable[Reason | Diagnosis] = ()) -> None:
-        """The analyzers' combined penalty for the backend (0..1) and the reasons behind it."""
+        """The analyzers' combined penalty for the backend (0..1) and the reasons behind it.
+
+        The score charges only what the balancer cannot see for itself: reasons
+        of a ``self_observed_kinds`` kind are divided out (still reported). A
+        reason of an ``eject_kinds`` kind (``backend_down``) ejects the backend
+        (circuit open) when it first appears; probes re-admit it.
+        """
         if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0.0 <= penalty <= 1.0:
             raise ValueError(f"penalty must be a number in 0..1, got {penalty!r}")
         converted = tuple(r if isinstance(r, Reason) else Reason.from_diagnosis(r) for r in reasons)
@@ -330,9 +350,14 @@ class Balancer:
             h = self._health.get(slot.name)
             if h is None:
                 return
-            h.penalty = float(penalty)
-            h.reasons = converted
-            self._rules.rescore(slot, h, now)
+            rules = self._rules
+            if rules.charge(h, float(penalty), converted) and h.breaker.eject(now):
+                self.counters["down_ejections_total"] += 1
+                rules.note_transition(slot, h, now)
+                rules.rescore(slot, h, now)
+                self._rebuild(now)
+                return
+            rules.rescore(slot, h, now)
 
     # ------------------------------------------------------------ backends
 
@@ -460,7 +485,7 @@ class Balancer:
         """Build and swap a new routing table (under the writer lock).
 
         Ejected backends are out; half-open ones are capped at
-        ``half_open_max_in_flight``; cooling ones take no long-context requests
+        ``max(half_open_max_in_flight, ceil(half_open_share * mean in-flight of the closed ones))``; cooling ones take no long-context requests
         (no requests at all with ``cooling_blocks_all``). The table expires at
         the next ejection or cooling deadline.
         """
@@ -469,7 +494,8 @@ class Balancer:
         expires = math.inf
         short: list[Slot] = []
         long: list[Slot] = []
-        limits: dict[Slot, int] = {}
+        half_open: list[Slot] = []
+        closed_in_flight = closed = 0
         for name, slot in self._slots.items():
             h = self._health[name]
             br = h.breaker
@@ -478,7 +504,10 @@ class Balancer:
                 expires = min(expires, br.open_until)
                 continue
             if br.state is BreakerState.HALF_OPEN:
-                limits[slot] = cfg.half_open_max_in_flight
+                half_open.append(slot)
+            else:
+                closed += 1
+                closed_in_flight += slot.in_flight
             cooling = h.cooling_until > now
             if cooling:
                 expires = min(expires, h.cooling_until)
@@ -486,7 +515,10 @@ class Balancer:
                 short.append(slot)
             if not cooling:
                 long.append(slot)
-        self._table = build_table(short, long, limits, expires)
+        # Half-open admits in proportion to the pool: a share of a closed backend's mean in-flight.
+        mean = closed_in_flight / closed if closed else 0.0
+        limit = max(cfg.half_open_max_in_flight, math.ceil(cfg.half_open_share * mean))
+        self._table = build_table(short, long, {slot: limit for slot in half_open}, expires)
 
 
 _COUNTER = {

@@ -33,8 +33,8 @@ class Health:
 
     __slots__ = (
         "breaker", "ttft_ewma", "ttft_ts", "engine_ttft", "engine_ttft_p99", "waiting", "kv", "up",
-        "errors", "successes", "window_ts", "penalty", "reasons", "cooling_until", "cooling_why",
-        "warming", "factors",
+        "errors", "successes", "window_ts", "penalty", "charged", "reasons", "down_reported", "cooling_until",
+        "cooling_why", "warming", "factors",
     )
 
     def __init__(self, cfg: BalancerConfig, now: float) -> None:
@@ -49,8 +49,10 @@ class Health:
         self.errors = 0.0
         self.successes = 0.0
         self.window_ts = now
-        self.penalty = 0.0
+        self.penalty = 0.0  # the analyzers' combined penalty, as reported
+        self.charged = 0.0  # the part of it the score charges (HealthRules.charge)
         self.reasons: tuple[Reason, ...] = ()
+        self.down_reported = False  # an eject kind (backend_down) is among the reasons
         self.cooling_until = -math.inf
         self.cooling_why = ""
         self.warming = True
@@ -64,6 +66,45 @@ class HealthRules:
         self.cfg = cfg
         self.counters = counters
         self._scorer = scorer(cfg.score)
+        self._self_observed = frozenset(cfg.self_observed_kinds)
+        self._eject = frozenset(cfg.eject_kinds)
+
+    def charge(self, h: Health, penalty: float, reasons: tuple[Reason, ...]) -> bool:
+        """Take the analyzers' penalty; return True when it newly reports an eject kind (the circuit must open).
+
+        The rule (docs/balancer.md "What a penalty may carry"): a penalty
+        carries only what the balancer cannot see for itself. The reasons of a
+        ``self_observed_kinds`` kind (slowness, KV, queue, errors: already in
+        the score through the balancer's own feedback and the engine's
+        metrics) and of an ``eject_kinds`` kind (acted on by ejection instead)
+        are divided out of the combined penalty: ``charged = 1 - (1 - penalty)
+        / prod(1 - p_seen)``. Without reasons the penalty is charged whole
+        (nothing says what it is made of).
+        """
+        h.penalty = penalty
+        h.reasons = reasons
+        keep_seen = 1.0
+        other_keep = 1.0
+        down = False
+        for r in reasons:
+            if r.kind in self._eject:
+                down = True
+            elif r.kind not in self._self_observed:
+                other_keep *= 1.0 - min(1.0, max(0.0, r.penalty))
+                continue
+            keep_seen *= 1.0 - min(1.0, max(0.0, r.penalty))
+        if keep_seen >= 1.0:
+            h.charged = penalty
+        else:
+            if keep_seen > 0.0:
+                charged = 1.0 - (1.0 - penalty) / keep_seen
+            else:  # a seen reason at penalty 1: what is left is the other reasons' product
+                charged = 1.0 - other_keep
+            h.charged = min(penalty, max(0.0, charged))
+            self.counters["penalty_self_observed_total"] += 1
+        newly_down = down and not h.down_reported
+        h.down_reported = down
+        return newly_down
 
     def decay(self, h: Health, now: float) -> None:
         """Age the error window: errors and successes halve every ``error_half_life_seconds``."""
@@ -83,14 +124,20 @@ class HealthRules:
         engine = h.engine_ttft
         if engine is not None and (ttft is None or engine > ttft):
             ttft = engine
-        factors = self._scorer(ttft, h.errors, h.successes, h.waiting, h.kv, h.penalty)
+        factors = self._scorer(ttft, h.errors, h.successes, h.waiting, h.kv, h.charged)
         h.factors = factors
         slot.view = slot.view.retarget(factors.score, now)
         if h.warming and not slot.view.ramping(now):
             h.warming = False
 
-    def start_warming(self, slot: Slot, h: Health, now: float) -> None:
-        """(Re)start the warm-up ramp from ``warming_start_score`` (or lower, if the score is already lower)."""
+    def start_warming(self, slot: Slot, h: Health, now: float, *, unless_warming: bool = False) -> None:
+        """(Re)start the warm-up ramp from ``warming_start_score`` (or lower, if the score is already lower).
+
+        ``unless_warming``: keep a ramp already under way (a restart seen in the
+        metrics and the half-open that follows must not ramp twice; issue 14).
+        """
+        if unless_warming and h.warming and slot.view.ramping(now):
+            return
         cfg = self.cfg.score
         h.warming = True
         current = slot.view.value(now)
@@ -132,8 +179,8 @@ class HealthRules:
             log.info("backend %s ejected for %.0f s", slot.name, h.breaker.ejection_seconds())
         elif state is BreakerState.HALF_OPEN:
             self.counters["half_open_total"] += 1
-            # Back from an ejection: ramp up like a restarted backend (slow start).
-            self.start_warming(slot, h, now)
+            # Back from an ejection: ramp up like a restarted backend (slow start), once.
+            self.start_warming(slot, h, now, unless_warming=True)
         else:
             self.counters["circuit_closed_total"] += 1
 

@@ -17,8 +17,10 @@ def own_reasons(h: Health, state: BackendState, cfg: BalancerConfig, now: float)
     """The reasons the balancer adds itself: an open circuit, or cooling."""
     if state is BackendState.EJECTED:
         left = max(0.0, h.breaker.open_until - now)
+        why = "reported down by the node agent" if h.down_reported else "ejected after consecutive failures"
+        probes = h.breaker.probes_needed()
         return (Reason("circuit_open", Severity.CRITICAL, 1.0,
-                       f"ejected after consecutive failures; retry in {left:.0f} s or after {cfg.probe_successes} good probes"),)
+                       f"{why}; retry in {left:.0f} s or after {probes} good probe{'s' if probes > 1 else ''}"),)
     if state is BackendState.COOLING:
         left = max(0.0, h.cooling_until - now)
         what = "all" if cfg.errors.cooling_blocks_all else "long-context"

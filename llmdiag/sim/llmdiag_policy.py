@@ -49,7 +49,7 @@ class SimProbeClient:
     async def probe(self, backend: Backend, model: str | None, timeout: float) -> ProbeResult:
         engine = self._gw.engines[self._index[backend.name]]
         if engine.down:
-            return ProbeResult(False, None, None, "connection refused")
+            return ProbeResult(False, None, None, "connection refused", refused=True)
         wait = engine.estimate_ttft(1, self._clock())
         if wait > timeout:
             return ProbeResult(False, None, None, f"timeout after {timeout:g} s")
