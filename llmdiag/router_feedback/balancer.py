@@ -327,6 +327,8 @@ class Balancer:
                 up = signals.number(snapshot_signals["up"], "up", slot.name)
                 if up is not None:
                     if h.up is not None and h.up < 0.5 <= up:
+                        # The engine restarted: a new process, a fresh error window, one warm-up ramp.
+                        self._rules.forget_errors(h, now)
                         self._rules.start_warming(slot, h, now, unless_warming=True)
                     h.up = up
             self._rules.rescore(slot, h, now)

@@ -130,6 +130,17 @@ class HealthRules:
         if h.warming and not slot.view.ramping(now):
             h.warming = False
 
+    def forget_errors(self, h: Health, now: float) -> None:
+        """A new engine process: the errors of the one that died say nothing about it.
+
+        Kept, they would hold its error factor (a ratio, so decay alone does
+        not clear it) near 1 until enough new successes came in, and it would
+        get little traffic for many seconds after a restart (issue 14 point 2).
+        """
+        h.errors = 0.0
+        h.successes = 0.0
+        h.window_ts = now
+
     def start_warming(self, slot: Slot, h: Health, now: float, *, unless_warming: bool = False) -> None:
         """(Re)start the warm-up ramp from ``warming_start_score`` (or lower, if the score is already lower).
 
@@ -179,6 +190,8 @@ class HealthRules:
             log.info("backend %s ejected for %.0f s", slot.name, h.breaker.ejection_seconds())
         elif state is BreakerState.HALF_OPEN:
             self.counters["half_open_total"] += 1
+            if h.breaker.refused:
+                self.forget_errors(h, now)
             # Back from an ejection: ramp up like a restarted backend (slow start), once.
             self.start_warming(slot, h, now, unless_warming=True)
         else:

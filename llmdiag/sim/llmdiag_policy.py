@@ -33,7 +33,7 @@ from llmdiag.router_feedback.probes import ProbeResult, ProbeRunner
 from llmdiag.sim.engine_model import SimRequest
 from llmdiag.sim.policies import GatewayView, Outcome, Policy
 
-__all__ = ["LlmdiagPolicy", "MODEL", "SimProbeClient"]
+__all__ = ["LlmdiagNoPenaltiesPolicy", "LlmdiagPolicy", "MODEL", "SimProbeClient"]
 
 MODEL = "sim-model"
 
@@ -136,3 +136,14 @@ class LlmdiagPolicy(Policy):
         if self._loop is not None:
             self._loop.close()
             self._loop = None
+
+
+class LlmdiagNoPenaltiesPolicy(LlmdiagPolicy):
+    """The same balancer without the node agents' penalties: the gateway's own view and the engine metrics.
+
+    Run next to ``llmdiag`` to see what the penalties add (issue 14: they must
+    never make a fault the gateway can see for itself worse).
+    """
+
+    name = "llmdiag_no_penalties"
+    needs_penalties = False
