@@ -194,6 +194,12 @@ def _engine_emitted(out: dict[tuple[str, str], set[str]]) -> None:
                     _pairs(collector.collect(float(i)), out)
             finally:
                 collector.close()
+    # A backend whose scrape fails: up = 0 and scrape_failure{reason}.
+    with metrics_server("") as server:
+        closed = server.url
+    collector = EngineCollector([Backend.from_url(closed, name="b0")])
+    _pairs(collector.collect(0.0), out)
+    collector.close()
 
 
 def _gpu_emitted(out: dict[tuple[str, str], set[str]]) -> None:

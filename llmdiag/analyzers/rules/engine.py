@@ -67,7 +67,7 @@ class KvCacheSaturation(Rule[KvCacheSaturationConfig]):
             if preempted is not None:
                 evidence.append(ev("preemptions_total (increase)", preempted, 0.0, cfg.preemption_window_seconds))
             if waiting is not None:
-                evidence.append(ev(waiting[0], waiting[1], 0.0, 0.0))
+                evidence.append(ev(waiting[0], waiting[1], 0.0, None))
             penalty = None
             if preempting and usage is not None and usage >= cfg.critical_usage:
                 severity = Severity.CRITICAL
@@ -124,7 +124,7 @@ class QueueAvalanche(Rule[QueueAvalancheConfig]):
                         rising_unit = (name, waiting, ago)
                 if waiting >= cfg.waiting_exit or (waiting > 0 and slow_stay):
                     stay = True
-            evidence = [ev(worst[0], worst[1], cfg.waiting_enter, 0.0)]
+            evidence = [ev(worst[0], worst[1], cfg.waiting_enter, None)]
             if rising_unit is not None:
                 evidence.append(ev(f"{rising_unit[0]} {cfg.rise_window_seconds:g}s ago", rising_unit[2], "< now", cfg.rise_window_seconds))
             if ttft is not None:
@@ -166,9 +166,9 @@ class FalseHealthy(Rule[FalseHealthyConfig]):
             stay = ttft >= cfg.ttft_exit_seconds and peers_normal
             severity = Severity.CRITICAL if ttft >= cfg.critical_factor * cfg.ttft_enter_seconds else Severity.WARNING
             evidence = [
-                ev("up", 1.0, 1.0, 0.0),
+                ev("up", 1.0, 1.0, None),
                 ev("ttft_seconds.ewma", ttft, cfg.ttft_enter_seconds, cfg.for_seconds),
-                ev("peers ttft_seconds.ewma (median)", peers, f"< {normal_bar:g}", 0.0),
+                ev("peers ttft_seconds.ewma (median)", peers, f"< {normal_bar:g}", None),
             ]
             summary = f"/health answers but TTFT is {ttft:.2f}s while peers serve in {peers:.2f}s"
             yield b, "", self.finding(enter, stay, severity, summary, evidence, 0.85)
