@@ -389,3 +389,28 @@ def test_factory_is_registered():
     collector = COLLECTOR_FACTORIES["engine"](Config(), [Backend.from_url("http://127.0.0.1:9")])
     assert collector.name == "engine" and collector.config.timeout_seconds == 1.0
     collector.close()
+
+
+HTTP_COUNTS = """# HELP http_requests_total Total number of requests by method, status and handler.
+# TYPE http_requests_total counter
+http_requests_total{{handler="/v1/completions",method="POST",status="2xx"}} {ok}
+http_requests_total{{handler="/v1/chat/completions",method="POST",status="5xx"}} {err}
+http_requests_total{{handler="/v1/chat/completions",method="POST",status="4xx"}} 3.0
+http_requests_total{{handler="/v1/completions",method="POST",status="429"}} {sat}
+http_requests_total{{handler="/v1/models",method="GET",status="2xx"}} 500.0
+"""
+
+
+def test_real_scrape_http_requests_become_responses_by_class():
+    (snap,), _ = run_sequence(REAL)
+    # http_requests_total{handler="/v1/completions",...,status="2xx"} 2.0 and chat 1.0
+    assert snap.backends["b0"]["responses_total"] == {"class=ok": 3}
+
+
+def test_5xx_and_429_from_the_engine_http_counter():
+    first = SYNTH_TEXT + HTTP_COUNTS.format(ok=100.0, err=0.0, sat=0.0)
+    second = SYNTH_TEXT + HTTP_COUNTS.format(ok=150.0, err=40.0, sat=5.0)
+    (_, snap), _ = run_sequence(first, second)
+    # 4xx other than 429 is the client's (client_4xx); /v1/models polls are not inference answers.
+    assert snap.backends["b0"]["responses_total"] == {
+        "class=ok": 150, "class=server_5xx": 40, "class=saturated_429": 5, "class=client_4xx": 3}

@@ -199,17 +199,20 @@ def finished_reason_class(reason: str) -> str:
 
 
 class ErrorBurst(Rule[ErrorBurstConfig]):
-    """(server_5xx + saturated_429) / responses >= ratio_enter over window_seconds (client quota 429s excluded).
+    """(server_5xx + saturated_429) / responses >= ratio_enter over window_seconds (client quota
+    429s and other client 4xx excluded).
 
-    Reads the gateway feedback ``responses_total{class}``; without it, the
-    engine's ``requests_finished_total{reason}`` with reasons classified by
+    Reads ``responses_total{class}`` (the engine collector's reading of the engine's own
+    ``http_requests_total{status}``, or gateway feedback); without it, the engine's
+    ``requests_finished_total{reason}`` with reasons classified by
     :func:`finished_reason_class` (client-side ends left out of the ratio).
     """
 
     kind = "error_burst"
     remediation = "Cool the backend down; inspect the engine logs for the failing requests."
     _BAD = frozenset({"server_5xx", "saturated_429"})
-    _IGNORED = frozenset({"client_ratelimit_429"})
+    # A tenant's own quota and the engine's other 4xx (bad request, unknown model) are the client's doing.
+    _IGNORED = frozenset({"client_ratelimit_429", "client_4xx"})
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
         cfg = self.config
