@@ -26,7 +26,7 @@ from llmdiag.config import Config
 from llmdiag.model import Snapshot, write_snapshots
 
 from llmdiag.cli import wiring
-from llmdiag.cli.main import EX_USAGE, positive_seconds
+from llmdiag.cli.main import EX_USAGE, name_list, positive_seconds
 
 
 def snapshot_stream(
@@ -68,7 +68,7 @@ def handle(args: argparse.Namespace, config: Config) -> int:
         config = dataclasses.replace(config, agent=dataclasses.replace(config.agent, interval_seconds=args.interval))
     if args.nvml_replay:
         config = dataclasses.replace(config, gpu=dataclasses.replace(config.gpu, replay_file=args.nvml_replay))
-    names = [n.strip() for n in args.collectors.split(",") if n.strip()] if args.collectors else None
+    names = args.collectors  # None = all; never empty (name_list)
     try:
         stream = snapshot_stream(config, names, duration=args.duration, once=args.once)
         if args.record:
@@ -83,6 +83,8 @@ def handle(args: argparse.Namespace, config: Config) -> int:
     except ValueError as exc:
         print(f"llmdiag: {exc}", file=sys.stderr)
         return EX_USAGE
+    except BrokenPipeError:
+        raise  # stdout's reader went away (`| head -1`): main() ends quietly
     except OSError as exc:
         print(f"llmdiag: cannot write {args.record}: {exc.strerror or exc}", file=sys.stderr)
         return 1
@@ -114,7 +116,7 @@ def register(sub: Any) -> None:
     when = parser.add_mutually_exclusive_group()
     when.add_argument("--once", action="store_true", help="print one snapshot (after one priming interval) and exit")
     when.add_argument("--duration", type=positive_seconds, metavar="S", help="collect for S seconds (default: until Ctrl-C)")
-    parser.add_argument("--collectors", metavar="A,B", help="collectors to run (default: all available)")
+    parser.add_argument("--collectors", type=name_list, metavar="A,B", help="collectors to run (default: all available)")
     parser.add_argument("--interval", type=positive_seconds, metavar="S", help="seconds between snapshots (default: [agent] interval_seconds)")
     parser.add_argument("--nvml-replay", metavar="FILE", help="drive the gpu collector from a recorded NVML replay file")
     out = parser.add_argument_group("output")
