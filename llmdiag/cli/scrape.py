@@ -122,12 +122,13 @@ def _number(value: Any) -> str:
 def _print_table(url: str, scrape: BackendScrape) -> None:
     from rich.console import Console  # noqa: PLC0415 - only the table needs rich
     from rich.table import Table  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
 
     console = Console()
     title = f"{url}  engine={scrape.engine or '?'}  up={'yes' if scrape.up else 'no'}"
     if scrape.models:
         title += f"  models={', '.join(scrape.models)}"
-    table = Table(title=title)
+    table = Table(title=Text(title))
     table.add_column("signal", style="bold")
     labels = list(scrape.engines)
     for label in labels:
@@ -137,9 +138,10 @@ def _print_table(url: str, scrape: BackendScrape) -> None:
     for name in names:
         row = [name] + [_cell(scrape.engines[label].get(name)) if name in scrape.engines[label] else "" for label in labels]
         row.append(_cell(scrape.signals.get(name)) if name in scrape.signals else "")
-        table.add_row(*row)
+        table.add_row(*(Text(cell) for cell in row))
     console.print(table)
+    # Text, not markup: errors carry brackets ("[Errno 111] ...") that rich would eat.
     if scrape.error:
-        console.print(f"[red]{scrape.error}[/red]")
+        console.print(Text(scrape.error, style="red"))
     for problem in scrape.problems:
-        console.print(f"[yellow]warning:[/yellow] {problem}")
+        console.print(Text.assemble(("warning: ", "yellow"), problem))
