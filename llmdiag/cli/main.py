@@ -36,7 +36,9 @@ COMMAND_MODULES = (
     "llmdiag.cli.scrape",
     "llmdiag.cli.bench",
     "llmdiag.cli.fake_engine",
+    "llmdiag.cli.gateway",
     "llmdiag.cli.demo",
+    "llmdiag.cli.picker",
     "llmdiag.cli.config_cmd",
 )
 

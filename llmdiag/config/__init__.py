@@ -18,10 +18,12 @@ from llmdiag.config.agent import AgentConfig, BackendEntry
 from llmdiag.config.analyzers import DiagnosisConfig
 from llmdiag.config.balancer import BalancerConfig
 from llmdiag.config.engine import EngineConfig
+from llmdiag.config.gateway import GatewayConfig
 from llmdiag.config.cuda import CudaConfig
 from llmdiag.config.gpu import GpuConfig, ProcConfig
 from llmdiag.config.http2 import Http2Config
 from llmdiag.config.loader import ConfigError, build, read_config_text, to_data, to_toml
+from llmdiag.config.picker import PickerConfig
 from llmdiag.config.tcp import TcpConfig, TimewaitConfig
 from llmdiag.model import Backend
 
@@ -40,6 +42,8 @@ class Config:
     tcp: TcpConfig = field(default_factory=TcpConfig)
     timewait: TimewaitConfig = field(default_factory=TimewaitConfig)
     http2: Http2Config = field(default_factory=Http2Config)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    picker: PickerConfig = field(default_factory=PickerConfig)
     backends: tuple[BackendEntry, ...] = ()
 
     def __post_init__(self) -> None:
