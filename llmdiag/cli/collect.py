@@ -4,8 +4,9 @@
     llmdiag collect --duration 30 --record run.jsonl.gz
     llmdiag collect --collectors tcp,timewait --backend http://127.0.0.1:8000 --json
 
-Snapshots follow ``llmdiag.snapshot/v1`` (SPEC 3.2). ``--json`` prints one
-JSON document per line (JSONL); ``--record FILE`` writes the same lines to a
+Snapshots follow ``llmdiag.snapshot/v1`` (SPEC 3.2). Without ``--json`` each
+snapshot is shown per backend, grouped by source, every value with its unit;
+``--json`` prints one JSON document per line (JSONL); ``--record FILE`` writes the same lines to a
 file (gzip when it ends in ``.gz``) for ``llmdiag diagnose --replay``.
 Counters become rates and histograms become window quantiles only from the
 second tick on, so ``--once`` primes the collectors, waits one interval and
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +27,7 @@ from llmdiag.model import Snapshot, write_snapshots
 
 from llmdiag.cli import wiring
 from llmdiag.cli.main import EX_USAGE, name_list, positive_seconds
+from llmdiag.cli.snapshot_view import print_snapshot
 
 
 def snapshot_stream(
@@ -42,25 +43,6 @@ def snapshot_stream(
     backends = wiring.resolve_backends(config)
     return wiring.snapshot_ticks(config, backends, names, duration=1 if once else duration, prime=once,
                                  clock=clock, sleep=sleep)
-
-
-def _print_summary(snap: Snapshot) -> None:
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
-
-    from llmdiag.model import encode_value  # noqa: PLC0415
-
-    table = Table(title=f"snapshot {time.strftime('%H:%M:%S', time.localtime(snap.ts))} on {snap.hostname}")
-    table.add_column("scope")
-    table.add_column("subject")
-    table.add_column("signal")
-    table.add_column("value", overflow="fold")
-    for sample in snap.samples():
-        engine = f" engine {sample.engine}" if sample.engine is not None else ""
-        table.add_row(sample.scope.value, f"{sample.subject}{engine}", sample.name, json.dumps(encode_value(sample.value)))
-    for name, status in sorted(snap.collectors.items()):
-        table.add_row("collector", name, status.status.value, status.reason or "")
-    Console().print(table)
 
 
 def handle(args: argparse.Namespace, config: Config) -> int:
@@ -79,7 +61,7 @@ def handle(args: argparse.Namespace, config: Config) -> int:
             if args.json:
                 print(snap.dumps(), flush=True)
             else:
-                _print_summary(snap)
+                print_snapshot(snap)
     except ValueError as exc:
         print(f"llmdiag: {exc}", file=sys.stderr)
         return EX_USAGE
