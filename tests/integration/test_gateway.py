@@ -305,3 +305,28 @@ async def test_mirroring_never_changes_the_client_response(shadow_kind: str) -> 
         await engine.stop()
         if shadow is not None:
             await shadow.stop()
+
+
+async def test_bench_load_through_the_gateway_reports_per_backend(tmp_path) -> None:
+    import os
+    import sys
+
+    engines = [await start_engine(), await start_engine()]
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrival_s,input_tokens,output_tokens\n" + "".join(f"{i * 0.5},{200 + i},{4 + i % 3}\n" for i in range(12)))
+    try:
+        async with gateway([Backend(f"e{i}", e.url) for i, e in enumerate(engines)]) as gw:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "llmdiag.cli", "bench", "load", "--target", gw.url, "--trace", str(trace),
+                "--rate", "6", "--duration", "2", "--json", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                env={**os.environ, "PYTHONPATH": os.getcwd()})
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        for e in engines:
+            await e.stop()
+    assert proc.returncode == 0, err.decode()
+    summary = json.loads(out)
+    assert summary["sent"] == summary["completed"] == 12 and summary["errors"] == {}
+    assert summary["ttft_s"]["p50"] > 0 and summary["itl_s"]["p50"] > 0
+    assert sum(summary["backends"].values()) == 12 and set(summary["backends"]) <= {"e0", "e1"}
+    assert summary["goodput_ratio"] == 1.0
