@@ -30,6 +30,7 @@ COMMAND_MODULES = (
     "llmdiag.cli.fake_engine",
     "llmdiag.cli.gateway",
     "llmdiag.cli.demo",
+    "llmdiag.cli.picker",
 )
 
 

@@ -1,0 +1,60 @@
+"""``[picker]``: the Envoy endpoint picker (``llmdiag picker``, Envoy ext_proc, Endpoint Picker Protocol)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["PickerConfig", "split_listen"]
+
+
+def split_listen(text: str, key: str = "listen") -> tuple[str, int]:
+    """``"127.0.0.1:9002"`` / ``"[::1]:9002"`` -> (host, port); raises ``ValueError`` naming ``key``."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"{key} must be HOST:PORT, got {text!r}")
+    port = int(port_text)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{key}: port must be 0..65535, got {port}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, port
+
+
+@dataclass(frozen=True)
+class PickerConfig:
+    #: gRPC (ext_proc) address. Loopback unless configured (SPEC 10); 9002 is the inference gateways' EPP port.
+    listen: str = "127.0.0.1:9002"
+    #: HTTP address of the picker's own /metrics and /healthz ("" = none).
+    metrics_listen: str = "127.0.0.1:9090"
+    #: Request bodies larger than this are answered 413 by the picker (Envoy's own buffer limit applies first).
+    max_body_bytes: int = 4 * 1024 * 1024
+    #: Concurrent ext_proc streams (= requests in progress) the picker keeps state for; more are refused
+    #: with RESOURCE_EXHAUSTED, which Envoy turns into its failure mode (500 when failure_mode_allow is false).
+    max_streams: int = 10_000
+    #: Prompt characters per token for the prompt-size estimate when the body gives no ``prompt_tokens``.
+    chars_per_token: float = 4.0
+    #: Bytes of an error response's body kept to classify it (saturation 429/503 versus a client quota).
+    error_body_bytes: int = 4096
+    #: Node agents whose /v1/penalties feed the balancer (``--agent URL`` replaces this list).
+    agents: tuple[str, ...] = ()
+    #: Seconds between penalty pulls from each agent.
+    agent_poll_seconds: float = 1.0
+
+    def __post_init__(self) -> None:
+        split_listen(self.listen, "picker.listen")
+        if self.metrics_listen:
+            split_listen(self.metrics_listen, "picker.metrics_listen")
+        if not 1024 <= self.max_body_bytes <= 1 << 30:
+            raise ValueError(f"picker.max_body_bytes must be 1024..1073741824, got {self.max_body_bytes}")
+        if not 1 <= self.max_streams <= 1_000_000:
+            raise ValueError(f"picker.max_streams must be 1..1000000, got {self.max_streams}")
+        if not (math.isfinite(self.chars_per_token) and self.chars_per_token > 0):
+            raise ValueError(f"picker.chars_per_token must be a finite number > 0, got {self.chars_per_token}")
+        if not 0 <= self.error_body_bytes <= 1 << 20:
+            raise ValueError(f"picker.error_body_bytes must be 0..1048576, got {self.error_body_bytes}")
+        for url in self.agents:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"picker.agents: not an http(s) URL: {url!r}")
+        if not (math.isfinite(self.agent_poll_seconds) and self.agent_poll_seconds > 0):
+            raise ValueError(f"picker.agent_poll_seconds must be a finite number > 0, got {self.agent_poll_seconds}")
