@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "llmdiag.cli.scrape",
     "llmdiag.cli.bench",
     "llmdiag.cli.fake_engine",
+    "llmdiag.cli.gateway",
     "llmdiag.cli.demo",
     "llmdiag.cli.picker",
 )

@@ -18,6 +18,7 @@ from llmdiag.config.agent import AgentConfig, BackendEntry
 from llmdiag.config.analyzers import DiagnosisConfig
 from llmdiag.config.balancer import BalancerConfig
 from llmdiag.config.engine import EngineConfig
+from llmdiag.config.gateway import GatewayConfig
 from llmdiag.config.cuda import CudaConfig
 from llmdiag.config.gpu import GpuConfig, ProcConfig
 from llmdiag.config.http2 import Http2Config
@@ -41,6 +42,7 @@ class Config:
     tcp: TcpConfig = field(default_factory=TcpConfig)
     timewait: TimewaitConfig = field(default_factory=TimewaitConfig)
     http2: Http2Config = field(default_factory=Http2Config)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
     picker: PickerConfig = field(default_factory=PickerConfig)
     backends: tuple[BackendEntry, ...] = ()
 
