@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 __all__ = ["PickerConfig", "split_listen"]
 
@@ -36,10 +37,13 @@ class PickerConfig:
     chars_per_token: float = 4.0
     #: Bytes of an error response's body kept to classify it (saturation 429/503 versus a client quota).
     error_body_bytes: int = 4096
-    #: Node agents whose /v1/penalties feed the balancer (``--agent URL`` replaces this list).
+    #: Node agents' base URLs whose ``/v1/penalties`` feed the balancer (``--agent URL`` replaces this list).
     agents: tuple[str, ...] = ()
-    #: Seconds between penalty pulls from each agent.
+    #: Bearer token sent to the agents ("" = none).
+    agent_token: str = ""
+    #: How often the agents are polled, and how long one poll may take.
     agent_poll_seconds: float = 1.0
+    agent_timeout_seconds: float = 1.0
 
     def __post_init__(self) -> None:
         split_listen(self.listen, "picker.listen")
@@ -54,7 +58,10 @@ class PickerConfig:
         if not 0 <= self.error_body_bytes <= 1 << 20:
             raise ValueError(f"picker.error_body_bytes must be 0..1048576, got {self.error_body_bytes}")
         for url in self.agents:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"picker.agents: not an http(s) URL: {url!r}")
-        if not (math.isfinite(self.agent_poll_seconds) and self.agent_poll_seconds > 0):
-            raise ValueError(f"picker.agent_poll_seconds must be a finite number > 0, got {self.agent_poll_seconds}")
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"picker.agents: {url!r} is not an http(s)://host:port URL")
+        for name in ("agent_poll_seconds", "agent_timeout_seconds"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"picker.{name} must be a finite number > 0, got {value}")

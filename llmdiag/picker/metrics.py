@@ -16,7 +16,10 @@
 - ``llmdiag_picker_gateway_ttft_seconds``: pick to the first response body chunk of streamed 2xx answers;
 - ``llmdiag_picker_streams_active``: ext_proc streams open now;
 - per backend from the balancer at scrape time: ``llmdiag_picker_backend_in_flight`` (picked, not
-  finished, by the picker's own count), ``llmdiag_picker_backend_load``, ``llmdiag_picker_backend_score``.
+  finished, by the picker's own count), ``llmdiag_picker_backend_load``, ``llmdiag_picker_backend_score``;
+- with node agents (``--agent``): ``llmdiag_picker_backend_penalty`` (the agents' penalty applied),
+  ``llmdiag_picker_agent_up{agent}`` (1 while its document is fresh),
+  ``llmdiag_picker_agent_fetch_errors_total{agent}``, ``llmdiag_picker_agent_stale_documents_total``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 __all__ = ["FAILURE_CLASSES", "PickerMetrics"]
@@ -61,6 +64,34 @@ class _BackendGauges(Collector):
         yield score
 
 
+class _AgentGauges(Collector):
+    """The node agents' poll state, read at scrape time."""
+
+    def __init__(self, agents: Any) -> None:
+        self._agents = agents
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        agents = self._agents
+        penalty = GaugeMetricFamily("llmdiag_picker_backend_penalty", "Penalty 0..1 from the node agents, applied.",
+                                    labels=["backend"])
+        for name, value in agents.applied.items():
+            penalty.add_metric([name], value)
+        up = GaugeMetricFamily("llmdiag_picker_agent_up", "1 while the agent's penalties document is fresh.",
+                               labels=["agent"])
+        errors = CounterMetricFamily("llmdiag_picker_agent_fetch_errors", "Failed penalty fetches per agent.",
+                                     labels=["agent"])
+        for url, status in agents.agents.items():
+            up.add_metric([url], 1.0 if status.fresh else 0.0)
+            errors.add_metric([url], status.fetch_errors_total)
+        stale = CounterMetricFamily("llmdiag_picker_agent_stale_documents",
+                                    "Penalties documents found past their ttl (failed open).",
+                                    value=agents.stale_documents_total)
+        yield penalty
+        yield up
+        yield errors
+        yield stale
+
+
 class PickerMetrics:
     """Counters and histograms in their own registry; label children resolved once per backend."""
 
@@ -88,6 +119,10 @@ class PickerMetrics:
     def watch_backends(self, rows: Callable[[], Iterable[tuple[str, int, float, float]]]) -> None:
         """Register the scrape-time per-backend gauges: ``rows()`` yields (name, in_flight, load, score)."""
         self.registry.register(_BackendGauges(rows))
+
+    def watch_agents(self, agents: Any) -> None:
+        """Register the node agents' gauges (an :class:`~llmdiag.router_feedback.agent_penalties.AgentPenalties`)."""
+        self.registry.register(_AgentGauges(agents))
 
     def picked(self, backend: str) -> None:
         child = self._pick_children.get(backend)

@@ -284,3 +284,55 @@ def test_picker_down_fails_closed_then_restarts(fleet):
         time.sleep(0.2)
     assert status == 200
     assert fleet.picker.alive()
+
+
+def test_node_agent_penalties_steer_picks(fleet, tmp_path):
+    """``--agent URL``: a fresh penalties document that marks engine ``a`` sends traffic to ``b``."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from llmdiag.model import BackendPenalty, BackendState, PenaltiesDocument, Reason, Severity
+
+    address_a = fleet.address("a")
+
+    class Agent(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's naming
+            reason = Reason("queue_avalanche", Severity.CRITICAL, 0.95, "waiting queue grows")
+            entry = BackendPenalty("vllm-a", address_a, 5.0, 0.95, 5, BackendState.DEGRADED, (reason,))
+            body = PenaltiesDocument(ts=time.time(), host="node-a", ttl_seconds=5, backends=(entry,)).dumps().encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    agent = ThreadingHTTPServer(("127.0.0.1", 0), Agent)
+    threading.Thread(target=agent.serve_forever, daemon=True).start()
+    grpc_port, metrics_port = free_port(), free_port()
+    picker = start_picker(tmp_path, [f"http://{fleet.address('a')}", f"http://{fleet.address('b')}"], grpc_port,
+                          metrics_port, "--agent", f"http://127.0.0.1:{agent.server_address[1]}", name="picker-agent")
+    envoy, listen, _ = start_envoy(tmp_path, "picker", picker_port=grpc_port, name="envoy-agent")
+    try:
+        end = time.monotonic() + 10
+        penalty: dict[str, float] = {}
+        while time.monotonic() < end and not penalty:
+            penalty = metric_values(request("GET", f"http://127.0.0.1:{metrics_port}/metrics")[2].decode(),
+                                    "llmdiag_picker_backend_penalty")
+            time.sleep(0.1)
+        assert penalty == {f'backend="{address_a}"': 0.95}
+        time.sleep(2.5)  # both backends' warm-up ramps end; a's score stays at 5 % of b's
+        for _ in range(40):
+            status, _, _ = request("POST", f"http://127.0.0.1:{listen}/v1/completions",
+                                   {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert status == 200
+        text = request("GET", f"http://127.0.0.1:{metrics_port}/metrics")[2].decode()
+        picks = metric_values(text, "llmdiag_picker_picks_total")
+        assert picks.get(f'backend="{address_a}"', 0) < picks[f'backend="{fleet.address("b")}"'] / 4, picks
+        assert metric_values(text, "llmdiag_picker_agent_up") == {f'agent="http://127.0.0.1:{agent.server_address[1]}"': 1.0}
+    finally:
+        envoy.stop()
+        picker.stop()
+        agent.shutdown()
