@@ -1,4 +1,4 @@
-"""``[picker]``: the Envoy endpoint picker (``llmdiag picker``, Envoy ext_proc, Endpoint Picker Protocol)."""
+"""``[picker]`` (the Envoy endpoint picker, ``llmdiag picker``) and ``[envoy]`` (the collector reading an Envoy admin API)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-__all__ = ["PickerConfig", "split_listen"]
+__all__ = ["EnvoyConfig", "PickerConfig", "split_listen"]
 
 
 def split_listen(text: str, key: str = "listen") -> tuple[str, int]:
@@ -65,3 +65,26 @@ class PickerConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"picker.{name} must be a finite number > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class EnvoyConfig:
+    """``[envoy]``: the gateway-side ``envoy`` collector, which reads a running Envoy's admin API."""
+
+    #: Base URL of the Envoy admin listener, e.g. ``http://127.0.0.1:9901`` ("" = the collector is unavailable).
+    admin_url: str = ""
+    #: Only these upstream clusters (empty = every cluster).
+    clusters: tuple[str, ...] = ()
+    #: One admin read (``/clusters`` or ``/stats``) may take this long, and return at most ``max_bytes``.
+    timeout_seconds: float = 1.0
+    max_bytes: int = 16 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.admin_url:
+            parts = urlsplit(self.admin_url)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+                raise ValueError(f"envoy.admin_url must be http(s)://host:port, got {self.admin_url!r}")
+        if not (math.isfinite(self.timeout_seconds) and 0 < self.timeout_seconds <= 60):
+            raise ValueError(f"envoy.timeout_seconds must be in (0, 60], got {self.timeout_seconds}")
+        if not 4096 <= self.max_bytes <= 1 << 30:
+            raise ValueError(f"envoy.max_bytes must be 4096..1073741824, got {self.max_bytes}")
