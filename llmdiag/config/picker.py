@@ -33,6 +33,10 @@ class PickerConfig:
     #: Concurrent ext_proc streams (= requests in progress) the picker keeps state for; more are refused
     #: with RESOURCE_EXHAUSTED, which Envoy turns into its failure mode (500 when failure_mode_allow is false).
     max_streams: int = 10_000
+    #: Request header that names the model, set by a gateway in front (the inference gateways' body-based
+    #: router sets it). When present, the picker picks on the request headers, estimates the prompt from
+    #: Content-Length, and skips the body message (one round trip less). "" = always read the body.
+    model_header: str = "x-gateway-model-name"
     #: Prompt characters per token for the prompt-size estimate when the body gives no ``prompt_tokens``.
     chars_per_token: float = 4.0
     #: Bytes of an error response's body kept to classify it (saturation 429/503 versus a client quota).
@@ -53,6 +57,8 @@ class PickerConfig:
             raise ValueError(f"picker.max_body_bytes must be 1024..1073741824, got {self.max_body_bytes}")
         if not 1 <= self.max_streams <= 1_000_000:
             raise ValueError(f"picker.max_streams must be 1..1000000, got {self.max_streams}")
+        if self.model_header != self.model_header.lower() or " " in self.model_header:
+            raise ValueError(f"picker.model_header must be a lower-case header name, got {self.model_header!r}")
         if not (math.isfinite(self.chars_per_token) and self.chars_per_token > 0):
             raise ValueError(f"picker.chars_per_token must be a finite number > 0, got {self.chars_per_token}")
         if not 0 <= self.error_body_bytes <= 1 << 20:

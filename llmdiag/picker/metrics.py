@@ -9,7 +9,7 @@
 - ``llmdiag_picker_failures_total{class}``: ``bad_request`` (400), ``body_too_large`` (413),
   ``unknown_model`` (404), ``no_backend`` (503), ``subset_unknown`` (503: the subset hint names no
   known backend), ``stream_reset`` (the stream ended before the response did: client gone, reset),
-  ``protocol`` (a message out of order);
+  ``protocol`` (a message out of order), ``internal`` (feedback or metrics raised: a bug, logged);
 - ``llmdiag_picker_responses_total{backend,class}``: the SPEC 3.2 classes of finished requests
   (``ok``, ``saturated_429``, ``client_ratelimit_429``, ``server_5xx``, ``timeout``, ``connect_error``,
   ``client_error``; requests that never finished count as ``client_error`` under status 499);
@@ -34,7 +34,7 @@ from prometheus_client.registry import Collector
 __all__ = ["FAILURE_CLASSES", "PickerMetrics"]
 
 FAILURE_CLASSES = ("bad_request", "body_too_large", "unknown_model", "no_backend", "subset_unknown",
-                   "stream_reset", "protocol")
+                   "stream_reset", "protocol", "internal")
 
 _DECISION_BUCKETS = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 0.1)
 _LAG_BUCKETS = (10e-6, 100e-6, 1e-3, 10e-3, 0.1, 1.0, 10.0)

@@ -142,7 +142,7 @@ def start_envoy(tmp: Path, policy: str, *, picker_port: int = 0, endpoints: tupl
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(config, indent=1))
     base_id = 20000 + (os.getpid() * 7 + listen) % 40000
-    proc = Proc([ENVOY, "-c", str(path), "--base-id", str(base_id), "--log-level", "warn",
+    proc = Proc([ENVOY, "-c", str(path), "--base-id", str(base_id), "--log-level", os.environ.get("ENVOY_LOG_LEVEL", "warn"),
                  "--concurrency", "1", "--disable-hot-restart"], tmp / f"{name}.log")
     wait_http(f"http://127.0.0.1:{admin}/ready", 30, proc)
     return proc, listen, admin

@@ -336,3 +336,16 @@ def test_node_agent_penalties_steer_picks(fleet, tmp_path):
         envoy.stop()
         picker.stop()
         agent.shutdown()
+
+
+def test_model_header_fast_path_routes_with_the_body_intact(fleet):
+    """With ``x-gateway-model-name`` the picker never sees the body; the engine still gets all of it."""
+    before = fleet.engine_successes("a") + fleet.engine_successes("b")
+    for i in range(6):
+        status, _, body = fleet.post({"model": MODEL, "prompt": "y" * (500 * i), "max_tokens": 3},
+                                     headers={"x-gateway-model-name": MODEL})
+        assert status == 200, body
+        assert json.loads(body)["usage"]["prompt_tokens"] == max(1, (500 * i + 3) // 4)  # the engine read the body
+    assert fleet.engine_successes("a") + fleet.engine_successes("b") == before + 6
+    status, _, _ = fleet.post({"model": MODEL, "prompt": "hi"}, headers={"x-gateway-model-name": "no/such-model"})
+    assert status == 404

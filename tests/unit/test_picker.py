@@ -15,6 +15,7 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
+from grpc.aio import EOF
 
 from llmdiag.cli.main import EX_USAGE, main
 from llmdiag.config import Config, ConfigError
@@ -62,33 +63,44 @@ def with_subset(msg: pb.ProcessingRequest, endpoints: list[str]) -> pb.Processin
     return msg
 
 
+class Context:
+    """grpc.aio's servicer context as the picker uses it: ``read()`` until EOF, ``write(bytes)``."""
+
+    def __init__(self, messages: list, cancel_after: int | None) -> None:
+        self.messages = list(messages)
+        self.cancel_after = cancel_after
+        self.sent = 0
+        self.replies: list[pb.ProcessingResponse] = []
+
+    async def read(self):
+        while self.messages and callable(self.messages[0]):
+            self.messages.pop(0)()  # a clock step between two messages
+        if self.cancel_after is not None and self.sent == self.cancel_after:
+            raise asyncio.CancelledError  # Envoy resets the stream
+        if not self.messages:
+            return EOF
+        self.sent += 1
+        return self.messages.pop(0)
+
+    async def write(self, raw: bytes) -> None:
+        self.replies.append(pb.ProcessingResponse.FromString(raw))
+
+
 def run(service: EndpointPickerService, messages: list, cancel_after: int | None = None):
     """Drive ``Process`` with ``messages`` (a callable in the list runs between two messages: a clock step).
 
     Returns the parsed replies. ``cancel_after``: Envoy resets the stream after that many messages.
     """
-
-    async def requests():
-        sent = 0
-        for m in messages:
-            if callable(m):
-                m()
-                continue
-            if cancel_after is not None and sent == cancel_after:
-                raise asyncio.CancelledError
-            sent += 1
-            yield m
+    context = Context(messages, cancel_after)
 
     async def go():
-        out = []
         try:
-            async for raw in service.process(requests(), None):
-                out.append(pb.ProcessingResponse.FromString(raw))
+            await service.process(None, context)
         except asyncio.CancelledError:
             pass
-        return out
 
-    return asyncio.run(go())
+    asyncio.run(go())
+    return context.replies
 
 
 def request_body(model: str = "m", **extra) -> bytes:
@@ -292,3 +304,25 @@ def test_cli_usage_errors(capsys):
     assert "no backends" in capsys.readouterr().err
     assert main(["--backend", "http://127.0.0.1:1", "picker", "--listen", "nowhere"]) == EX_USAGE
     assert "--listen must be HOST:PORT" in capsys.readouterr().err
+
+
+def test_model_header_fast_path_picks_on_headers_and_skips_the_body():
+    service, _ = make_service()
+    replies = run(service, [headers_msg({":method": "POST", "x-gateway-model-name": "m", "content-length": "4000"}),
+                            headers_msg({":status": "200", "content-type": "application/json"}, response=True)])
+    common = replies[0].request_headers.response
+    assert common.header_mutation.set_headers[0].header.raw_value.decode() in (A.address, B.address)
+    assert replies[0].mode_override.request_body_mode == 0  # NONE: Envoy does not send the body
+    assert replies[0].mode_override.response_header_mode == 1  # SEND: the response is still watched
+    assert settled(service) and response_count(service) == 1
+    # The header names an unknown model, or the declared size is over the limit: answered at once.
+    replies = run(service, [headers_msg({"x-gateway-model-name": "nope", "content-length": "10"})])
+    assert replies[0].immediate_response.status.code == 404
+    service, _ = make_service(max_body_bytes=4096)
+    replies = run(service, [headers_msg({"x-gateway-model-name": "m", "content-length": "5000"})])
+    assert replies[0].immediate_response.status.code == 413
+    # Turned off: the body is read.
+    service, _ = make_service(model_header="")
+    replies = run(service, [headers_msg({"x-gateway-model-name": "m"}), body_msg(request_body())])
+    assert replies[0].HasField("request_headers") and not replies[0].request_headers.HasField("response")
+    assert picked_endpoint(replies[1])
