@@ -383,7 +383,7 @@ def test_grpc_backends_are_skipped_not_down():
 
 
 def test_factory_is_registered():
-    from llmdiag.cli.wiring import COLLECTOR_FACTORIES
+    from llmdiag.agent.wiring import COLLECTOR_FACTORIES
     from llmdiag.config import Config
 
     collector = COLLECTOR_FACTORIES["engine"](Config(), [Backend.from_url("http://127.0.0.1:9")])

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from llmdiag.analyzers import Analyzer, penalties_document
+from llmdiag.analyzers import Analyzer
 from llmdiag.analyzers.timelines import SCENARIOS, TimelineBuilder, dist
 from llmdiag.config.analyzers import DiagnosisConfig
-from llmdiag.model import HOST, BackendState
+from llmdiag.exporters.penalties import penalties_document
+from llmdiag.model import HOST, BackendPenalty, BackendState
 
 
 def _opened(t: TimelineBuilder, config: DiagnosisConfig | None = None):
@@ -117,12 +118,13 @@ def test_scrape_gap_neither_closes_nor_opens_and_stale_data_closes() -> None:
     assert [d.kind for d in results[-1].open] == ["backend_down"]
 
 
-def test_penalties_document_takes_balancer_scores() -> None:
+def test_penalties_document_takes_balancer_states() -> None:
     t = SCENARIOS["kv_cache_saturation"].build()
     a = Analyzer(backends=t.backends())
     for s in t.snapshots:
         r = a.observe(s)
-    doc = penalties_document(r.ts, "n", r.backends, scores={"vllm-0": (42.5, 40, BackendState.COOLING)})
+    cooling = BackendPenalty("vllm-0", "10.0.0.7:8000", 42.5, 0.5, 40, BackendState.COOLING)
+    doc = penalties_document(r.ts, "n", r.backends, balancer_states=[cooling])
     entries = {b.name: b for b in doc.backends}
     assert (entries["vllm-0"].score, entries["vllm-0"].weight_percent, entries["vllm-0"].state) == (42.5, 40, BackendState.COOLING)
     assert entries["vllm-0"].penalty == pytest.approx(0.5)
