@@ -27,9 +27,16 @@ from typing import Protocol, runtime_checkable
 
 from llmdiag.model import CollectorState, CollectorStatus, Sample, Snapshot
 
-__all__ = ["Collector", "GuardedCollector", "collect_snapshot"]
+__all__ = ["Collector", "CollectorUsageError", "GuardedCollector", "collect_snapshot"]
 
 log = logging.getLogger("llmdiag.collectors")
+
+
+class CollectorUsageError(ValueError):
+    """The user asked a collector for something that cannot work (a missing or unreadable
+    input file, such as ``--nvml-replay FILE``): a usage mistake, not a host without the
+    feature. Callers that build collectors let it through (the command exits 64 with the
+    message, which names the file) instead of reporting the collector as unavailable."""
 
 
 @runtime_checkable

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from llmdiag.bpf import features
-from llmdiag.bpf.loader import BPFUnavailable, Program
+from llmdiag.bpf.loader import BPFUnavailable, Program, check_environment
 from llmdiag.collectors.cuda_libs import ElfError, MappedLibrary, descendants, exported_functions, find_library
 from llmdiag.collectors.discovery import local_backend_pids
 from llmdiag.config import Config
@@ -382,6 +382,7 @@ class CudaAllocCollector:
 def build_cuda_collector(config: Config, backends: Sequence[Backend]) -> CudaAllocCollector:
     """The ``cuda`` collector for the agent; raises :class:`BPFUnavailable` when the kernel
     has no uprobes or the program cannot load (the wiring turns that into ``unavailable``)."""
+    check_environment()  # first: without root or CAP_BPF, say that (with the way out)
     uprobes = features.uprobes_supported()
     if not uprobes:
         raise BPFUnavailable(uprobes.detail, "the CUDA allocation tracer needs CONFIG_UPROBE_EVENTS")

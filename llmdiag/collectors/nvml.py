@@ -150,12 +150,15 @@ def decode_clock_event_reasons(mask: int) -> list[str]:
 
 
 class NvmlUnavailable(RuntimeError):
-    """NVML cannot be used on this host; ``hint`` says what to do about it."""
+    """NVML cannot be used on this host; ``hint`` says what to do about it. ``absent`` is True
+    when there is no NVIDIA software here at all (no libnvidia-ml, no pynvml): the normal
+    state of a host without GPUs, not a fault."""
 
-    def __init__(self, reason: str, hint: str) -> None:
+    def __init__(self, reason: str, hint: str, absent: bool = False) -> None:
         super().__init__(f"{reason} ({hint})")
         self.reason = reason
         self.hint = hint
+        self.absent = absent
 
 
 class GpuLost(RuntimeError):
@@ -172,7 +175,7 @@ def load_pynvml() -> Any:
     try:
         import pynvml  # noqa: PLC0415 - lazily, so that hosts without it still import llmdiag
     except ImportError as exc:
-        raise NvmlUnavailable(f"pynvml is not importable: {exc}", "pip install nvidia-ml-py") from None
+        raise NvmlUnavailable(f"pynvml is not importable: {exc}", "pip install nvidia-ml-py", absent=True) from None
     return pynvml
 
 
@@ -255,7 +258,8 @@ class Nvml:
             except Exception as exc:  # noqa: BLE001 - NVMLError, or OSError from a broken library
                 code = getattr(exc, "value", None)
                 hint = _INIT_HINTS.get(code, "check `nvidia-smi`; NVML must work for the user running llmdiag")
-                raise NvmlUnavailable(f"nvmlInit failed: {error_name(exc)}", hint) from None
+                absent = code == NVML_ERROR_LIBRARY_NOT_FOUND
+                raise NvmlUnavailable(f"nvmlInit failed: {error_name(exc)}", hint, absent=absent) from None
             try:
                 self.device_count = int(lib.nvmlDeviceGetCount())
                 self.driver_version = _text(self._guard(lib.nvmlSystemGetDriverVersion))

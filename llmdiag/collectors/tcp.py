@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from llmdiag.bpf import features
-from llmdiag.bpf.loader import BPFUnavailable, Program
+from llmdiag.bpf.loader import BPFUnavailable, Program, check_environment
 from llmdiag.collectors.histogram import histogram_quantile
 from llmdiag.collectors.own_sockets import OWN_PORTS, OwnPorts, Pair
 from llmdiag.collectors.sockdiag import SockDiagError, format_endpoint, iter_tcp
@@ -210,6 +210,15 @@ class TcpCollector:
 
     # -- start ------------------------------------------------------------------
     def _start(self, factory: ProgramFactory) -> None:
+        if factory is Program.load:
+            try:
+                # First, so a user without root or CAP_BPF hears that (with the way out), not a
+                # PermissionError from the feature probes below.
+                check_environment()
+            except BPFUnavailable as exc:
+                self.unavailable = exc
+                log.warning("tcp collector unavailable: %s", exc)
+                return
         defines, self.send_path = send_path_defines()
         defines.update({
             "SEND_TIMING": int(self.config.send_timing),
