@@ -55,6 +55,7 @@ from typing import Any
 
 from llmdiag.bpf import features
 from llmdiag.bpf.loader import BPFUnavailable, Program, check_environment
+from llmdiag.collectors.base import AttachNeed
 from llmdiag.collectors.cuda_libs import ElfError, MappedLibrary, descendants, exported_functions, find_library
 from llmdiag.collectors.discovery import local_backend_pids
 from llmdiag.config import Config
@@ -67,6 +68,7 @@ __all__ = [
     "PROBES",
     "REQUIRED_SYMBOLS",
     "CudaAllocCollector",
+    "attach_points",
     "build_cuda_collector",
     "program_defines",
     "size_histogram",
@@ -377,6 +379,16 @@ class CudaAllocCollector:
             return
         self._closed = True
         self.program.close()
+
+
+def attach_points() -> list[AttachNeed]:
+    """The attach points of the cuda collector (``llmdiag doctor``): a uprobe and a uretprobe
+    per exported allocation API of ``libcuda.so`` in each backend process."""
+    return [
+        AttachNeed("cuda", "uprobe", f"libcuda.so:{symbol}",
+                   "allocations" if "Alloc" in symbol or "Create" in symbol else "frees", symbol in REQUIRED_SYMBOLS)
+        for symbol, _ in PROBES
+    ]
 
 
 def build_cuda_collector(config: Config, backends: Sequence[Backend]) -> CudaAllocCollector:

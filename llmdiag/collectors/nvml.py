@@ -37,10 +37,12 @@ __all__ = [
     "QUERIES",
     "GpuLost",
     "Nvml",
+    "NvmlProbe",
     "NvmlQuery",
     "NvmlUnavailable",
     "decode_clock_event_reasons",
     "error_name",
+    "probe_nvml",
     "load_pynvml",
 ]
 
@@ -353,3 +355,34 @@ def _quiet(fn: Callable[[], Any]) -> None:
         fn()
     except Exception:  # noqa: BLE001 - best effort on the way out
         pass
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlProbe:
+    """What ``llmdiag doctor`` says about NVML: whether it starts, the driver, the GPUs, and
+    otherwise why not with a hint (``absent``: no NVIDIA software here at all)."""
+
+    ok: bool
+    driver_version: str | None = None
+    device_count: int = 0
+    reason: str | None = None
+    hint: str | None = None
+    absent: bool = False
+
+
+def probe_nvml(library: Any = None) -> NvmlProbe:
+    """Start NVML once, read the driver version and GPU count, shut it down. Never raises.
+
+    The one way the rest of llmdiag (``doctor``) asks about NVML: this module owns pynvml.
+    ``library`` is a pynvml-like object (a replay in tests); ``None`` is the real one."""
+    nvml = Nvml(library)
+    try:
+        nvml.init()
+    except NvmlUnavailable as exc:
+        return NvmlProbe(False, reason=exc.reason, hint=exc.hint, absent=exc.absent)
+    except Exception as exc:  # noqa: BLE001 - a broken library must not crash doctor
+        return NvmlProbe(False, reason=f"NVML failed: {type(exc).__name__}: {exc}", hint="check `nvidia-smi`")
+    try:
+        return NvmlProbe(True, driver_version=nvml.driver_version, device_count=nvml.device_count)
+    finally:
+        nvml.shutdown()
