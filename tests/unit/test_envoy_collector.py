@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llmdiag.cli.wiring import COLLECTOR_FACTORIES, CollectorUnavailable
+from llmdiag.agent.wiring import COLLECTOR_FACTORIES, CollectorUnavailable
 from llmdiag.collectors.envoy_admin import EnvoyAdminCollector, parse_clusters, parse_stats
 from llmdiag.collectors.http_fetch import FetchResult
 from llmdiag.config import Config
