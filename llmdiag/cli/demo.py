@@ -24,7 +24,7 @@ from rich.text import Text
 
 from llmdiag.agent.loop import AgentLoop, AgentState, analyze
 from llmdiag.agent.ticker import snapshot_ticks
-from llmdiag.cli.main import positive_seconds
+from llmdiag.cli.main import EX_USAGE, positive_seconds
 from llmdiag.cli.report import print_report
 from llmdiag.config import Config
 from llmdiag.model import Backend, Distribution, Snapshot
@@ -81,6 +81,10 @@ def handle(args: argparse.Namespace, config: Config) -> int:
     if args.fault_at is None:
         # Early enough that a short demo still shows the whole story.
         args.fault_at = min(15.0, args.duration / 4)
+    if args.fault_at >= args.duration:
+        print(f"llmdiag demo: --fault-at {args.fault_at:g} is not before the end of --duration {args.duration:g}: "
+              "the fault would never happen", file=sys.stderr)
+        return EX_USAGE
     fleet = DemoFleet(default_fleet(fault_at=args.fault_at), rate_rps=args.rate)
     console = Console()
     console.print(f"starting the demo fleet: 3 fake vLLM engines on 127.0.0.1, {args.rate:g} req/s round robin; "

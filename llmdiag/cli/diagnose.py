@@ -10,7 +10,7 @@ or closed again), and each backend's penalty and state at the end.
 ``--json`` prints ``{"diagnoses": [...], "backends": {name: {"penalty", "state"}}}``;
 each diagnosis is the SPEC 3.3 object plus ``open`` and ``closed_at``.
 Exit code: 0 healthy (nothing above info), 1 warning, 2 critical; 3 when the
-recording cannot be read; 64 (EX_USAGE) for a bad option value, so that a
+recording cannot be read or holds no snapshot; 64 (EX_USAGE) for a bad option value, so that a
 mistake is never read as "critical".
 """
 
@@ -66,6 +66,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "diagnose",
         help="diagnose overload on this host (live or from a recording); exit 0 healthy, 1 warning, 2 critical",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="exit codes: 0 healthy (nothing above info), 1 warning, 2 critical, 3 the recording cannot "
+               "be read or holds no snapshot, 64 usage mistake, 130 interrupted",
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--duration", type=float, default=10.0, metavar="S", help="seconds to watch live (default 10)")

@@ -105,15 +105,17 @@ def test_scrape_gap_neither_closes_nor_opens_and_stale_data_closes() -> None:
     t = TimelineBuilder().advance(40)
     b = t.backend("vllm-0").set(kv_cache_usage=0.95)
     t.advance(5)
-    b.absent = True  # scrapes fail: the open diagnosis must survive a short gap ...
+    b.absent = "timeout"  # scrapes fail: the open diagnosis must survive a short gap ...
     t.advance(20)
     n_gap = len(t.snapshots)
     t.advance(15)  # ... and close once data has been missing stale_seconds (30)
     a = Analyzer(backends=t.backends())
     results = [a.observe(s) for s in t.snapshots]
-    assert [d.kind for d in results[n_gap - 1].open] == ["kv_cache_saturation"]
-    closed = [r.ts for r in results if r.closed]
-    assert closed and closed[0] - (t.start + 45) >= 30
+    # ... while the outage itself is a backend_down diagnosis of its own.
+    assert sorted(d.kind for d in results[n_gap - 1].open) == ["backend_down", "kv_cache_saturation"]
+    closed = [(r.ts, d.kind) for r in results for d in r.closed]
+    assert closed and closed[0][1] == "kv_cache_saturation" and closed[0][0] - (t.start + 45) >= 30
+    assert [d.kind for d in results[-1].open] == ["backend_down"]
 
 
 def test_penalties_document_takes_balancer_states() -> None:
