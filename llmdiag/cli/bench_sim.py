@@ -59,7 +59,10 @@ def register(bench_subparsers: Any) -> None:
         help="virtual seconds of arrivals (tiles the scaled trace; default one pass of it)",
     )
     parser.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS), help=f"engine preset (default {DEFAULT_PRESET})")
-    parser.add_argument("--kv-capacity", type=int, default=None, metavar="TOKENS", help="KV cache per engine in tokens (default: the preset's)")
+    parser.add_argument(
+        "--kv-tokens", "--kv-capacity", dest="kv_capacity", type=int, default=None, metavar="TOKENS",
+        help="KV cache per engine in tokens (default: the preset's; e.g. 200000 makes long prompts KV-bound)",
+    )
     parser.add_argument("--scrape-interval", type=float, default=0.1, metavar="S", help="metric scrape interval seen by metric-driven peers (default 0.1)")
     parser.add_argument(
         "--llmdiag-signal-interval", type=float, default=1.0, metavar="S",
@@ -116,7 +119,11 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         err.print(f"llmdiag bench sim: {exc}")
         return EX_USAGE
     balancer_config = getattr(config, "balancer", None)
-    policy_options = {"llmdiag": {"config": balancer_config}} if balancer_config is not None else None
+    policy_options = (
+        {name: {"config": balancer_config} for name in ("llmdiag", "llmdiag_no_penalties")}
+        if balancer_config is not None
+        else None
+    )
 
     outputs = []
     with Progress(

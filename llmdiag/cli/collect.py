@@ -22,12 +22,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from llmdiag.config import Config
-from llmdiag.model import Snapshot, write_snapshots
-
-from llmdiag.cli import wiring
+from llmdiag.agent import wiring
+from llmdiag.agent.ticker import snapshot_ticks
 from llmdiag.cli.main import EX_USAGE, name_list, positive_seconds
 from llmdiag.cli.snapshot_view import print_snapshot
+from llmdiag.config import Config
+from llmdiag.model import Snapshot, write_snapshots
 
 
 def snapshot_stream(
@@ -41,8 +41,7 @@ def snapshot_stream(
 ) -> Iterator[Snapshot]:
     """Yield snapshots at ``[agent] interval_seconds`` for ``duration`` seconds (or forever)."""
     backends = wiring.resolve_backends(config)
-    return wiring.snapshot_ticks(config, backends, names, duration=1 if once else duration, prime=once,
-                                 clock=clock, sleep=sleep)
+    return snapshot_ticks(config, backends, names, duration=1 if once else duration, prime=once, clock=clock, sleep=sleep)
 
 
 def handle(args: argparse.Namespace, config: Config) -> int:

@@ -39,6 +39,7 @@ COMMAND_MODULES = (
     "llmdiag.cli.gateway",
     "llmdiag.cli.demo",
     "llmdiag.cli.picker",
+    "llmdiag.cli.agent",
     "llmdiag.cli.config_cmd",
 )
 

@@ -14,7 +14,7 @@ from rich.text import Text
 from llmdiag.model import HOST, CollectorState, Severity
 
 if TYPE_CHECKING:
-    from llmdiag.cli.diagnose import DiagnoseReport, Episode
+    from llmdiag.agent.loop import DiagnoseReport, Episode
 
 __all__ = ["print_report", "render_report", "report_json", "verdict"]
 
@@ -51,7 +51,7 @@ def _episode(e: Episode) -> Group:
     evidence.add_column("threshold", justify="right")
     evidence.add_column("window", justify="right")
     for item in d.evidence:
-        evidence.add_row(Text(item.signal), _fmt(item.value), _fmt(item.threshold), f"{item.window_seconds:g}s")
+        evidence.add_row(Text(item.signal), _fmt(item.value), _fmt(item.threshold), item.window_text)
     return Group(head, Padding(Text(d.summary), (0, 0, 0, 2)), Padding(evidence, (0, 0, 0, 2)), Padding(Text(f"-> {d.remediation}", style="italic"), (0, 0, 1, 2)))
 
 

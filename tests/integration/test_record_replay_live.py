@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from llmdiag.analyzers import Analyzer
-from llmdiag.cli.diagnose import analyze
-from llmdiag.cli.wiring import snapshot_ticks
+from llmdiag.agent.loop import analyze
+from llmdiag.agent.ticker import snapshot_ticks
 from llmdiag.config import Config
 from llmdiag.model import Backend, read_snapshots, write_snapshots
 from llmdiag.sim.demo_fleet import DemoFleet, FleetEngine

@@ -46,10 +46,11 @@ def test_exact_p2c_picks_under_a_scripted_rng() -> None:
 
 
 def test_exact_tie_breaks_under_a_scripted_rng() -> None:
-    # Three equal backends: the d = 2 path breaks a tie with one more draw (< 0.5 keeps the first).
+    # Three equal backends: the d = 2 path breaks a tie with one more draw, as every path does
+    # (reservoir sampling: the second tied candidate wins when random() * 2 < 1).
     rng = ScriptedRandom()
     balancer, clock = scored([100.0, 100.0, 100.0], config=BalancerConfig(choices=2, in_flight_penalty=0.0), rng=rng)
-    rng.script([0.0, 0.0, 0.7, 0.0, 0.0, 0.2])
+    rng.script([0.0, 0.0, 0.2, 0.0, 0.0, 0.7])
     assert balancer.pick("m", 0).name == "b1"
     assert balancer.pick("m", 0).name == "b0"
     # Two backends and d = 2 distinct is a full scan: the second tied candidate wins when random() * 2 < 1.
