@@ -26,9 +26,11 @@ import time
 from collections.abc import Callable, Iterator
 
 from llmdiag.agent import wiring
+from llmdiag.agent.wiring import BuildProgress
 from llmdiag.agent.loop import AgentLoop, DiagnoseReport, Episode, analyze
 from llmdiag.agent.ticker import snapshot_ticks
 from llmdiag.cli.main import EX_INTERRUPTED, EX_USAGE
+from llmdiag.cli.progress import CollectorProgress
 from llmdiag.config import Config
 from llmdiag.model import Backend, Snapshot, SnapshotError, read_snapshots
 
@@ -41,6 +43,7 @@ def live_snapshots(
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
     backends: list[Backend] | None = None,
+    progress: BuildProgress | None = None,
 ) -> Iterator[Snapshot]:
     """One snapshot per ``agent.interval_seconds`` for ``duration`` seconds (at least one).
 
@@ -49,7 +52,7 @@ def live_snapshots(
     collectors still run. Raises ``ValueError`` for an unknown collector name."""
     if backends is None:
         backends = wiring.resolve_backends(config)
-    return snapshot_ticks(config, backends, duration=duration, clock=clock, sleep=sleep)
+    return snapshot_ticks(config, backends, duration=duration, clock=clock, sleep=sleep, progress=progress)
 
 
 def _primed(snapshots: Iterator[Snapshot]) -> Iterator[Snapshot]:
@@ -94,7 +97,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
         backends = wiring.resolve_backends(config)
         loop = AgentLoop(config, backends)
         try:
-            snapshots = _primed(live_snapshots(config, args.duration, backends=backends))
+            # A spinner per collector on a terminal while they start (BPF compiles take seconds).
+            with CollectorProgress() as progress:
+                snapshots = _primed(live_snapshots(config, args.duration, backends=backends, progress=progress))
         except ValueError as exc:
             print(f"llmdiag diagnose: {exc}", file=sys.stderr)
             return EX_USAGE
