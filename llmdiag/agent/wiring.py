@@ -39,7 +39,17 @@ COLLECTOR_FACTORIES: dict[str, CollectorFactory] = {
     "timewait": lambda config, backends: _timewait_factory(config, backends),
     "cuda": lambda config, backends: _cuda_factory(config, backends),
     "http2": lambda config, backends: _http2_factory(config, backends),
+    "envoy": lambda config, backends: _envoy_factory(config, backends),
 }
+
+
+def _envoy_factory(config: Config, backends: list[Backend]) -> Collector:
+    from llmdiag.collectors.envoy_admin import build_envoy_collector  # noqa: PLC0415
+
+    try:
+        return build_envoy_collector(config, backends)
+    except LookupError as exc:
+        raise CollectorUnavailable(str(exc)) from exc
 
 
 def _engine_factory(config: Config, backends: list[Backend]) -> Collector:

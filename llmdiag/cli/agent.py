@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 import sys
 from typing import Any
 
 from llmdiag.cli.main import EX_USAGE
-from llmdiag.config import Config, ConfigError, load_config
+from llmdiag.config import Config
 from llmdiag.config.agent import split_address
 
 TOKEN_ENV = "LLMDIAG_AGENT_TOKEN"
@@ -57,16 +56,7 @@ def handle(args: argparse.Namespace, config: Config) -> int:
     from llmdiag.agent.daemon import run_agent  # noqa: PLC0415 - aiohttp only for this command
     from llmdiag.agent.wiring import COLLECTOR_FACTORIES  # noqa: PLC0415
 
-    # The global options also work after `agent`, as people type them on a long-running command.
-    if args.agent_verbose:
-        logging.getLogger().setLevel(logging.WARNING - 10 * min(args.verbose + args.agent_verbose, 2))
-    try:
-        if args.agent_config:
-            config = load_config(args.agent_config).with_backends(args.backend)
-        config = config.with_backends([*args.backend, *args.agent_backends] if args.agent_backends else [])
-    except ConfigError as exc:
-        print(f"llmdiag: {exc}", file=sys.stderr)
-        return EX_USAGE
+    # (--config, --backend and -v work after `agent` too: cli.main folds them in for every command.)
     agent = config.agent
     if args.listen:
         host, port = split_address(args.listen)
@@ -98,11 +88,6 @@ def register(sub: Any) -> None:
 
     parser = sub.add_parser("agent", help="run the node agent: /metrics, /v1/penalties, /v1/state, HAProxy agent-check",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", dest="agent_backends", metavar="URL", action="append", default=[],
-                        help="backend to watch (repeatable; as the global --backend)")
-    parser.add_argument("--config", dest="agent_config", metavar="FILE", help="TOML config file (as the global --config)")
-    parser.add_argument("-v", "--verbose", dest="agent_verbose", action="count", default=0,
-                        help="more logging (as the global -v)")
     parser.add_argument("--listen", type=_address, metavar="ADDR",
                         help="HTTP address host:port (default: [agent] listen_host/listen_port, 127.0.0.1:9464)")
     parser.add_argument("--agent-check", type=_address, metavar="ADDR",

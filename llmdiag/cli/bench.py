@@ -45,6 +45,7 @@ def _register_balancer(sub: Any) -> None:
 BENCH_SUBCOMMANDS: dict[str, Callable[[Any], None] | str] = {
     "balancer": _register_balancer,
     "sim": "llmdiag.cli.bench_sim",
+    "load": "llmdiag.cli.bench_load",
 }
 
 

@@ -6,7 +6,8 @@ Envoy (or a Kubernetes inference gateway) asks it, per request, which engine
 gets the request; it answers with the x-gateway-destination-endpoint header and
 envoy.lb dynamic metadata, and learns each response's status and time to first
 token. Backends come from --backend or [[backends]] (models = the pool each
-serves). See docs/integrations/envoy.md for the Envoy bootstrap.
+serves); --agent URL adds the node agents' penalties (pulled from /v1/penalties,
+ttl-bound, failing open). See docs/integrations/envoy.md for the Envoy bootstrap.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from llmdiag.config import Config, ConfigError
 from llmdiag.config.picker import PickerConfig
 from llmdiag.picker.server import PickerServer
 from llmdiag.picker.service import EndpointPickerService
+from llmdiag.router_feedback.agent_penalties import AgentPenalties
 from llmdiag.router_feedback.balancer import Balancer
 
 
@@ -32,10 +34,16 @@ def _picker_config(args: argparse.Namespace, config: Config) -> PickerConfig:
         changes["listen"] = args.listen
     if args.metrics_listen is not None:
         changes["metrics_listen"] = args.metrics_listen
+    if args.agent:
+        changes["agents"] = tuple(args.agent)
     try:
         return dataclasses.replace(config.picker, **changes)
     except ValueError as exc:
-        raise ConfigError(str(exc).replace("picker.", "--").replace("_", "-")) from None
+        message = str(exc)
+        for key, flag in (("picker.metrics_listen", "--metrics-listen"), ("picker.listen", "--listen"),
+                          ("picker.agents", "--agent")):
+            message = message.replace(key, flag)
+        raise ConfigError(message) from None
 
 
 async def _serve(server: PickerServer) -> None:
@@ -43,7 +51,9 @@ async def _serve(server: PickerServer) -> None:
     where = f"; metrics on http://{server.service.config.metrics_listen.rsplit(':', 1)[0]}:{server.metrics_port}/metrics" \
         if server.metrics_port else ""
     names = ", ".join(f"{b.name} ({b.address})" for b in server.service.balancer.backends)
-    print(f"llmdiag picker: ext_proc on port {server.port} for {names}{where}; Ctrl-C to stop", file=sys.stderr, flush=True)
+    agents = f"; penalties from {len(server.agents.agents)} agent(s)" if server.agents else ""
+    print(f"llmdiag picker: ext_proc on port {server.port} for {names}{where}{agents}; Ctrl-C to stop",
+          file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -65,8 +75,17 @@ def handle(args: argparse.Namespace, config: Config) -> int:
         print("llmdiag picker: no backends: give --backend URL (repeatable) or [[backends]] in the config",
               file=sys.stderr)
         return EX_USAGE
+    agents = None
+    if picker_config.agents:
+        try:
+            agents = AgentPenalties(picker_config.agents, token=picker_config.agent_token or None,
+                                    interval=picker_config.agent_poll_seconds,
+                                    timeout=picker_config.agent_timeout_seconds)
+        except ValueError as exc:
+            print(f"llmdiag picker: --agent: {exc}", file=sys.stderr)
+            return EX_USAGE
     service = EndpointPickerService(Balancer(backends, config.balancer), picker_config)
-    server = PickerServer(service, picker_config.listen, picker_config.metrics_listen)
+    server = PickerServer(service, picker_config.listen, picker_config.metrics_listen, agents)
     try:
         asyncio.run(_serve(server))
     except OSError as exc:
@@ -82,4 +101,6 @@ def register(sub: Any) -> None:
                         help=f"ext_proc gRPC address HOST:PORT (default [picker] listen, {PickerConfig.listen})")
     parser.add_argument("--metrics-listen", metavar="ADDR",
                         help=f"address of /metrics and /healthz, '' for none (default {PickerConfig.metrics_listen})")
+    parser.add_argument("--agent", metavar="URL", action="append", default=[],
+                        help="node agent whose /v1/penalties to apply (repeatable; replaces [picker] agents)")
     parser.set_defaults(handler=handle)

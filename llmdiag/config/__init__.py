@@ -23,7 +23,7 @@ from llmdiag.config.cuda import CudaConfig
 from llmdiag.config.gpu import GpuConfig, ProcConfig
 from llmdiag.config.http2 import Http2Config
 from llmdiag.config.loader import ConfigError, build, read_config_text, to_data, to_toml
-from llmdiag.config.picker import PickerConfig
+from llmdiag.config.picker import EnvoyConfig, PickerConfig
 from llmdiag.config.tcp import TcpConfig, TimewaitConfig
 from llmdiag.model import Backend
 
@@ -44,6 +44,7 @@ class Config:
     http2: Http2Config = field(default_factory=Http2Config)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     picker: PickerConfig = field(default_factory=PickerConfig)
+    envoy: EnvoyConfig = field(default_factory=EnvoyConfig)
     backends: tuple[BackendEntry, ...] = ()
 
     def __post_init__(self) -> None:

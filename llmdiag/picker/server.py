@@ -7,7 +7,11 @@ per request low (a thread hand-off per message costs more than the pick).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+
+import aiohttp
 import grpc
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -15,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmdiag.config.picker import split_listen
 from llmdiag.picker.service import EndpointPickerService
+from llmdiag.router_feedback.agent_penalties import AgentPenalties
 
 __all__ = ["SERVICE_NAME", "PickerServer"]
 
@@ -27,12 +32,21 @@ class PickerServer:
     """Serves :class:`EndpointPickerService` over gRPC and its metrics over HTTP.
 
     ``start()`` binds both (port 0 picks a free one: see :attr:`port` and
-    :attr:`metrics_port`); ``stop()`` ends open streams (their ``finally``
-    feeds the balancer) and closes the listeners.
+    :attr:`metrics_port`) and starts pulling the node agents' penalties when
+    ``agents`` is given; ``stop()`` ends open streams (their ``finally`` feeds
+    the balancer), stops the poller (its penalties are taken back) and closes
+    the listeners.
     """
 
-    def __init__(self, service: EndpointPickerService, listen: str, metrics_listen: str = "") -> None:
+    def __init__(self, service: EndpointPickerService, listen: str, metrics_listen: str = "",
+                 agents: AgentPenalties | None = None) -> None:
         self.service = service
+        self.agents = agents
+        self._session: aiohttp.ClientSession | None = None
+        self._stop = asyncio.Event()
+        self._agent_task: asyncio.Task[None] | None = None
+        if agents is not None:
+            service.metrics.watch_agents(agents)
         self._listen = split_listen(listen, "listen")
         self._metrics_listen = split_listen(metrics_listen, "metrics_listen") if metrics_listen else None
         self._grpc: grpc.aio.Server | None = None
@@ -77,8 +91,25 @@ class PickerServer:
             self._runner = runner
             sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
             self.metrics_port = sockets[0].getsockname()[1] if sockets else mport
+        if self.agents is not None:
+            self._stop.clear()
+            self._session = aiohttp.ClientSession()
+            self._agent_task = asyncio.create_task(self.agents.run(self._session, self.service.balancer, self._stop))
 
     async def stop(self, grace: float = 1.0) -> None:
+        self._stop.set()
+        if self._agent_task is not None:
+            try:
+                await asyncio.wait_for(self._agent_task, self.agents.timeout + 1.0 if self.agents else 1.0)
+            except asyncio.TimeoutError:
+                pass  # wait_for cancelled it; its finally took the penalties back
+            except Exception as exc:  # noqa: BLE001 - shutting down: log, do not mask the stop
+                log.warning("penalty poller ended with %s", exc)
+            self._agent_task = None
+        if self._session is not None:
+            with contextlib.suppress(Exception):
+                await self._session.close()
+            self._session = None
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None

@@ -42,7 +42,8 @@ PROC_TREE = FIXTURES.parent / "proc" / "host618"
 NVML_H200 = FIXTURES.parent / "nvml" / "h200x8.json"
 
 #: (scope, signal) read by rules but emitted by no collector yet. Empty: ``responses_total{class}``
-#: (SPEC 3.2 "gateway feedback") comes from the engine's own ``http_requests_total{status}`` now.
+#: (SPEC 3.2 "gateway feedback") comes from the engine's own ``http_requests_total{status}`` and
+#: from the envoy collector.
 FUTURE_SOURCES: set[tuple[str, str]] = set()
 
 _SCOPE_OF_PREFIX = {"b": "backend", "e": "engine", "g": "gpu", "d": "destination", "h": "host"}
@@ -257,6 +258,21 @@ def _bpf_emitted(out: dict[tuple[str, str], set[str]]) -> None:
                     out.setdefault((scope, node.value), set()).update(_BPF_LABELS.get(node.value, ()))
 
 
+def _envoy_emitted(out: dict[tuple[str, str], set[str]]) -> None:
+    from llmdiag.collectors.envoy_admin import EnvoyAdminCollector
+    from llmdiag.collectors.http_fetch import FetchResult
+    from llmdiag.config.picker import EnvoyConfig
+
+    recorded = FIXTURES.parent / "envoy"
+
+    def fetch(url: str, timeout: float, max_bytes: int, accept: str) -> FetchResult:
+        name = "clusters.json" if "/clusters" in url else "stats.txt"
+        return FetchResult(url, status=200, body=(recorded / name).read_text())
+
+    backends = [Backend.from_url(f"http://127.0.0.1:{p}", name=f"b{p}") for p in (49559, 58281, 34207, 50431)]
+    _pairs(EnvoyAdminCollector(EnvoyConfig(admin_url="http://127.0.0.1:9901"), backends, fetch).collect(1.0), out)
+
+
 @pytest.fixture(scope="module")
 def emitted(tmp_path_factory) -> dict[tuple[str, str], set[str]]:
     out: dict[tuple[str, str], set[str]] = {}
@@ -264,6 +280,7 @@ def emitted(tmp_path_factory) -> dict[tuple[str, str], set[str]]:
     _gpu_emitted(out)
     _proc_emitted(out, tmp_path_factory.mktemp("proc"))
     _bpf_emitted(out)
+    _envoy_emitted(out)
     return out
 
 
