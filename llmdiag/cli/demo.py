@@ -22,14 +22,12 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from llmdiag.analyzers import Analyzer, backend_health
-from llmdiag.cli.diagnose import analyze
-from llmdiag.cli.main import positive_seconds
+from llmdiag.agent.loop import AgentLoop, AgentState, analyze
+from llmdiag.agent.ticker import snapshot_ticks
+from llmdiag.cli.main import EX_USAGE, positive_seconds
 from llmdiag.cli.report import print_report
-from llmdiag.cli.wiring import snapshot_ticks
 from llmdiag.config import Config
 from llmdiag.model import Backend, Distribution, Snapshot
-from llmdiag.router_feedback.balancer import Balancer
 from llmdiag.sim.demo_fleet import DemoFleet, default_fleet
 
 #: Collectors the demo runs; the kernel ones report "unavailable" where BPF cannot load.
@@ -44,17 +42,18 @@ def _fmt(value: Any, spec: str = ".2f", unit: str = "") -> str:
     return f"{value:{spec}}{unit}"
 
 
-def _table(snap: Snapshot, analyzer: Analyzer, balancer: Balancer, elapsed: float, fleet: DemoFleet) -> Group:
+def _table(state: AgentState, elapsed: float, fleet: DemoFleet) -> Group:
+    snap = state.snapshot
+    assert snap is not None
     open_by_backend: dict[str, list[str]] = {}
-    for d in analyzer.open_diagnoses():
+    for d in state.open:
         open_by_backend.setdefault(d.backend, []).append(f"{d.kind} ({d.severity.value})")
-    states = {s.name: s for s in balancer.snapshot_states()}
     table = Table(title=f"llmdiag demo: {elapsed:4.0f}s, {fleet.stats.sent} requests sent", expand=True)
     for col in ("backend", "up (/metrics)", "waiting", "running", "KV", "TTFT ewma", "penalty", "score", "weight", "diagnoses"):
         table.add_column(col, overflow="fold")
     for name in sorted(snap.backends):
         s = snap.backends[name]
-        st = states.get(name)
+        st = state.backends.get(name)
         diag = ", ".join(open_by_backend.get(name, [])) or "-"
         table.add_row(
             name, "up" if s.get("up") == 1 else "down", _fmt(s.get("requests_waiting"), ".0f"),
@@ -68,26 +67,24 @@ def _table(snap: Snapshot, analyzer: Analyzer, balancer: Balancer, elapsed: floa
     return Group(table, Text(f"collectors: {statuses}\nclient results: {clients}", style="dim"))
 
 
-def _watch(config: Config, fleet: DemoFleet, backends: list[Backend], duration: float, analyzer: Analyzer,
-           balancer: Balancer, live: Live | None) -> Iterator[Snapshot]:
+def _watch(config: Config, fleet: DemoFleet, backends: list[Backend], duration: float, loop: AgentLoop,
+           live: Live | None) -> Iterator[Snapshot]:
+    """The demo's ticks; the caller's analyze() runs each one through ``loop`` before asking for the next."""
     start = time.monotonic()
     for snap in snapshot_ticks(config, backends, list(DEMO_COLLECTORS), duration=duration):
-        yield snap  # the caller's analyze() observes it before asking for the next one
-        for name, signals in snap.backends.items():
-            balancer.update_signals(name, signals)
-        # The analyzer has observed this snapshot: hand its penalties to the balancer, as the agent does.
-        health = backend_health(snap.backends, analyzer.open_diagnoses(), analyzer.enforced,
-                                config.diagnosis.degraded_penalty)
-        for name, h in health.items():
-            balancer.set_penalty(name, h.penalty, h.reasons)
+        yield snap
         if live is not None:
-            live.update(_table(snap, analyzer, balancer, time.monotonic() - start, fleet))
+            live.update(_table(loop.state, time.monotonic() - start, fleet))
 
 
 def handle(args: argparse.Namespace, config: Config) -> int:
     if args.fault_at is None:
         # Early enough that a short demo still shows the whole story.
         args.fault_at = min(15.0, args.duration / 4)
+    if args.fault_at >= args.duration:
+        print(f"llmdiag demo: --fault-at {args.fault_at:g} is not before the end of --duration {args.duration:g}: "
+              "the fault would never happen", file=sys.stderr)
+        return EX_USAGE
     fleet = DemoFleet(default_fleet(fault_at=args.fault_at), rate_rps=args.rate)
     console = Console()
     console.print(f"starting the demo fleet: 3 fake vLLM engines on 127.0.0.1, {args.rate:g} req/s round robin; "
@@ -96,13 +93,12 @@ def handle(args: argparse.Namespace, config: Config) -> int:
     try:
         backends = [Backend.from_url(url, name=name, engine="vllm", models=(fleet.model,))
                     for name, url in fleet.urls.items()]
-        analyzer = Analyzer(config, backends=backends)
-        balancer = Balancer(backends, config.balancer)
+        loop = AgentLoop(config, backends)
         live = None if args.no_live or not console.is_terminal else Live(console=console, refresh_per_second=2)
         if live is not None:
             live.start()
         try:
-            report = analyze(_watch(config, fleet, backends, args.duration, analyzer, balancer, live), analyzer,
+            report = analyze(_watch(config, fleet, backends, args.duration, loop, live), loop,
                              source=f"demo fleet, {args.duration:g}s")
         finally:
             if live is not None:
@@ -110,7 +106,7 @@ def handle(args: argparse.Namespace, config: Config) -> int:
     finally:
         fleet.stop()
     print_report(report)
-    final = {s.name: s for s in balancer.snapshot_states()}
+    final = loop.state.backends
     console.print("routing weights at the end: " + ", ".join(f"{n} {s.weight_percent}%" for n, s in sorted(final.items())))
     return report.exit_code()
 

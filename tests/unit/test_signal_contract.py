@@ -41,8 +41,9 @@ from llmdiag.router_feedback.balancer import Balancer
 PROC_TREE = FIXTURES.parent / "proc" / "host618"
 NVML_H200 = FIXTURES.parent / "nvml" / "h200x8.json"
 
-#: (scope, signal) read by rules but emitted by no collector yet. (The gateway feedback
-#: ``responses_total{class}`` now comes from the envoy collector.)
+#: (scope, signal) read by rules but emitted by no collector yet. Empty: ``responses_total{class}``
+#: (SPEC 3.2 "gateway feedback") comes from the engine's own ``http_requests_total{status}`` now,
+#: and from a gateway Envoy's admin API (the envoy collector).
 FUTURE_SOURCES: set[tuple[str, str]] = set()
 
 _SCOPE_OF_PREFIX = {"b": "backend", "e": "engine", "g": "gpu", "d": "destination", "h": "host"}
@@ -192,6 +193,12 @@ def _engine_emitted(out: dict[tuple[str, str], set[str]]) -> None:
                     _pairs(collector.collect(float(i)), out)
             finally:
                 collector.close()
+    # A backend whose scrape fails: up = 0 and scrape_failure{reason}.
+    with metrics_server("") as server:
+        closed = server.url
+    collector = EngineCollector([Backend.from_url(closed, name="b0")])
+    _pairs(collector.collect(0.0), out)
+    collector.close()
 
 
 def _gpu_emitted(out: dict[tuple[str, str], set[str]]) -> None:
@@ -289,6 +296,8 @@ def test_runnable_collectors_emit_what_the_rules_are_built_on(emitted) -> None:
     assert ("host", "timewait_entry_rate") not in emitted
     assert emitted[("backend", "process_memory_bytes")] == {"gpu", "pid"}
     assert emitted[("backend", "requests_finished_total")] == {"reason"}
+    assert emitted[("backend", "responses_total")] == {"class"}
+    assert emitted[("backend", "scrape_failure")] == {"reason"}
 
 
 def test_every_signal_a_rule_reads_is_emitted_by_a_collector(emitted) -> None:
