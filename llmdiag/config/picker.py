@@ -41,6 +41,12 @@ class PickerConfig:
     chars_per_token: float = 4.0
     #: Bytes of an error response's body kept to classify it (saturation 429/503 versus a client quota).
     error_body_bytes: int = 4096
+    #: ``HOST:PORT`` whose DNS addresses are backends too, re-resolved every ``discover_interval_seconds``
+    #: (a Kubernetes headless Service over the InferencePool's pods); "" = only the configured backends.
+    discover: str = ""
+    #: Models the discovered backends serve (empty = any model).
+    discover_models: tuple[str, ...] = ()
+    discover_interval_seconds: float = 5.0
     #: Node agents' base URLs whose ``/v1/penalties`` feed the balancer (``--agent URL`` replaces this list).
     agents: tuple[str, ...] = ()
     #: Bearer token sent to the agents ("" = none).
@@ -67,7 +73,9 @@ class PickerConfig:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"picker.agents: {url!r} is not an http(s)://host:port URL")
-        for name in ("agent_poll_seconds", "agent_timeout_seconds"):
+        if self.discover:
+            split_listen(self.discover, "picker.discover")
+        for name in ("agent_poll_seconds", "agent_timeout_seconds", "discover_interval_seconds"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"picker.{name} must be a finite number > 0, got {value}")

@@ -349,3 +349,21 @@ def test_model_header_fast_path_routes_with_the_body_intact(fleet):
     assert fleet.engine_successes("a") + fleet.engine_successes("b") == before + 6
     status, _, _ = fleet.post({"model": MODEL, "prompt": "hi"}, headers={"x-gateway-model-name": "no/such-model"})
     assert status == 404
+
+
+def test_discovered_backends_are_routed(fleet, tmp_path):
+    """``--discover HOST:PORT`` with no configured backend: the address it resolves to gets the traffic."""
+    grpc_port, metrics_port = free_port(), free_port()
+    picker = start_picker(tmp_path, [], grpc_port, metrics_port, "--discover", fleet.address("b"), name="picker-dns")
+    envoy, listen, _ = start_envoy(tmp_path, "picker", picker_port=grpc_port, name="envoy-dns")
+    try:
+        assert json.loads(request("GET", f"http://127.0.0.1:{metrics_port}/healthz")[2])["backends"] == [fleet.address("b")]
+        before = fleet.engine_successes("b")
+        for _ in range(3):
+            status, _, body = request("POST", f"http://127.0.0.1:{listen}/v1/completions",
+                                      {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert status == 200, body
+        assert fleet.engine_successes("b") == before + 3
+    finally:
+        envoy.stop()
+        picker.stop()
