@@ -97,7 +97,7 @@ def handle(args: argparse.Namespace, config: Config) -> int:
     server = PickerServer(service, picker_config.listen, picker_config.metrics_listen, agents, discovery)
     try:
         asyncio.run(_serve(server))
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # grpc raises RuntimeError for a bad certificate or key
         print(f"llmdiag picker: {exc}", file=sys.stderr)
         return 1
     return 0

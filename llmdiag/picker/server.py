@@ -83,7 +83,18 @@ class PickerServer:
         })
         server.add_generic_rpc_handlers((handler,))
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self.port = server.add_insecure_port(address)
+        config = self.service.config
+        if config.tls_cert_file:
+            try:
+                with open(config.tls_cert_file, "rb") as f:
+                    chain = f.read()
+                with open(config.tls_key_file, "rb") as f:
+                    key = f.read()
+            except OSError as exc:
+                raise OSError(f"cannot read the TLS certificate or key: {exc}") from None
+            self.port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, chain)]))
+        else:
+            self.port = server.add_insecure_port(address)
         if not self.port:
             raise OSError(f"cannot listen on {address} (in use or not a local address)")
         await server.start()
