@@ -402,3 +402,16 @@ def run_sync_exchange(service: EndpointPickerService, messages: list) -> list:
 def test_cli_discover_needs_host_and_port(capsys):
     assert main(["picker", "--discover", "pool.ns.svc"]) == EX_USAGE
     assert "--discover must be HOST:PORT" in capsys.readouterr().err
+
+
+def test_the_documented_bootstrap_is_the_tested_one():
+    """docs/integrations/envoy.md shows exactly what envoy_bootstrap() gives the tests and the benchmark."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "integrations" / "envoy.md").read_text()
+    block = re.search(r"```yaml\n(.*?)```", doc, re.S)
+    assert block is not None
+    assert yaml.safe_load(block.group(1)) == envoy_bootstrap("picker", 8080, 9901, picker_address="127.0.0.1:9002")
