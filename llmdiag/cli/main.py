@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "llmdiag.cli.bench",
     "llmdiag.cli.fake_engine",
     "llmdiag.cli.demo",
+    "llmdiag.cli.top",
 )
 
 

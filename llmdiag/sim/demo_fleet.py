@@ -28,10 +28,14 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from llmdiag.model import Backend
 from llmdiag.sim.fake_engine import FakeEngine, FakeEngineOptions
 from llmdiag.sim.faults import FaultSchedule, parse_faults
 
-__all__ = ["DemoFleet", "FleetEngine", "LoadStats", "default_fleet", "run_load"]
+__all__ = ["DEMO_COLLECTORS", "DemoFleet", "FleetEngine", "LoadStats", "default_fleet", "run_load"]
+
+#: Collectors the demo runs; the kernel ones report "unavailable" where BPF cannot load.
+DEMO_COLLECTORS = ("engine", "proc", "tcp", "timewait", "http2")
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,13 @@ class DemoFleet:
     def urls(self) -> dict[str, str]:
         """Engine name -> ``http://127.0.0.1:PORT``."""
         return {spec.name: eng.url for spec, eng in zip(self.specs, self.engines)}
+
+    def backends(self) -> list[Backend]:
+        """The running engines as backends (names, loopback URLs, this process's pid)."""
+        return [Backend.from_url(url, name=name, engine="vllm", models=(self.model,)) for name, url in self.urls.items()]
+
+    def describe(self) -> str:
+        return f"{len(self.specs)} fake vLLM engines on 127.0.0.1, {self.rate_rps:g} req/s round robin"
 
     def start(self, timeout: float = 10.0) -> None:
         self._thread = threading.Thread(target=self._run, name="llmdiag-demo-fleet", daemon=True)
