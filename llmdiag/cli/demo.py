@@ -1,12 +1,16 @@
-"""``llmdiag demo``: watch llmdiag find a drowning engine that /health calls healthy.
+"""``llmdiag demo``: watch llmdiag find every kind of hidden overload in a fleet of fake engines.
 
-It starts the demo fleet (three fake vLLM engines on 127.0.0.1 behind a naive
-round-robin load; at ``--fault-at`` seconds ``vllm-2`` loses most of its KV
-cache and slows down as a throttled GPU would), runs the real collectors and analyzers on it once
-a second, feeds the results into the scoring balancer, and shows a live table:
-queue, KV usage, TTFT, the penalty, the routing score and weight, and the open
-diagnoses. At the end it prints the diagnosis report (exit code as
-``llmdiag diagnose``: 0 healthy, 1 warning, 2 critical).
+It starts the demo fleet (five fake vLLM engines on 127.0.0.1 behind a naive
+round-robin load) and its fault script, from ``--fault-at`` seconds: a client
+without connection pooling on vllm-1, KV cache loss plus a throttled GPU on
+vllm-2, a slow vllm-3 whose impatient HTTP and gRPC clients cancel, and a
+crash with a cold restart of vllm-4 (:mod:`llmdiag.sim.demo_fleet`). It runs
+the real collectors and analyzers once a second, feeds the results into the
+scoring balancer, and shows a live table. At the end, or on Ctrl-C, it prints
+the diagnosis report of what it saw (exit code as ``llmdiag diagnose``: 0
+healthy, 1 warning, 2 critical). ``--record FILE`` writes the snapshots for
+``llmdiag diagnose --replay FILE`` and ``llmdiag top --replay FILE``.
+Everything the demo starts is stopped on exit, Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -22,18 +26,16 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from llmdiag.analyzers import Analyzer, backend_health
+from llmdiag.agent.sources import Pipeline
+from llmdiag.analyzers import Analyzer
 from llmdiag.cli.diagnose import analyze
 from llmdiag.cli.main import positive_seconds
 from llmdiag.cli.report import print_report
-from llmdiag.cli.wiring import snapshot_ticks
+from llmdiag.cli.tui.demo_source import demo_snapshots
 from llmdiag.config import Config
-from llmdiag.model import Backend, Distribution, Snapshot
+from llmdiag.model import Distribution, Snapshot, write_snapshots
 from llmdiag.router_feedback.balancer import Balancer
-from llmdiag.sim.demo_fleet import DemoFleet, default_fleet
-
-#: Collectors the demo runs; the kernel ones report "unavailable" where BPF cannot load.
-DEMO_COLLECTORS = ("engine", "proc", "tcp", "timewait")
+from llmdiag.sim.demo_fleet import DemoFleet
 
 
 def _fmt(value: Any, spec: str = ".2f", unit: str = "") -> str:
@@ -68,50 +70,64 @@ def _table(snap: Snapshot, analyzer: Analyzer, balancer: Balancer, elapsed: floa
     return Group(table, Text(f"collectors: {statuses}\nclient results: {clients}", style="dim"))
 
 
-def _watch(config: Config, fleet: DemoFleet, backends: list[Backend], duration: float, analyzer: Analyzer,
-           balancer: Balancer, live: Live | None) -> Iterator[Snapshot]:
+def _watch(snapshots: Iterator[Snapshot], pipeline: Pipeline, fleet: DemoFleet, live: Live | None,
+           record: str | None) -> Iterator[Snapshot]:
+    """Analyze (and route) each snapshot, record it, update the table; Ctrl-C ends the run, not the report."""
     start = time.monotonic()
-    for snap in snapshot_ticks(config, backends, list(DEMO_COLLECTORS), duration=duration):
-        yield snap  # the caller's analyze() observes it before asking for the next one
-        for name, signals in snap.backends.items():
-            balancer.update_signals(name, signals)
-        # The analyzer has observed this snapshot: hand its penalties to the balancer, as the agent does.
-        health = backend_health(snap.backends, analyzer.open_diagnoses(), analyzer.enforced,
-                                config.diagnosis.degraded_penalty)
-        for name, h in health.items():
-            balancer.set_penalty(name, h.penalty, h.reasons)
-        if live is not None:
-            live.update(_table(snap, analyzer, balancer, time.monotonic() - start, fleet))
+    try:
+        for snap in snapshots:
+            pipeline.observe(snap)  # analyzer + balancer; the caller's analyze() then sees the same result
+            if record:
+                write_snapshots(record, [snap], append=True)
+            if live is not None:
+                live.update(_table(snap, pipeline.analyzer, pipeline.balancer, time.monotonic() - start, fleet))
+            yield snap
+    except KeyboardInterrupt:
+        return  # the report of what was seen still prints
 
 
 def handle(args: argparse.Namespace, config: Config) -> int:
     if args.fault_at is None:
         # Early enough that a short demo still shows the whole story.
         args.fault_at = min(15.0, args.duration / 4)
-    fleet = DemoFleet(default_fleet(fault_at=args.fault_at), rate_rps=args.rate)
+    if args.record:
+        try:
+            write_snapshots(args.record, [])  # fail now, not after the run; start the file empty
+        except OSError as exc:
+            print(f"llmdiag demo: cannot write {args.record}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+    fleet = DemoFleet(fault_at=args.fault_at, rate_rps=args.rate)
     console = Console()
-    console.print(f"starting the demo fleet: 3 fake vLLM engines on 127.0.0.1, {args.rate:g} req/s round robin; "
-                  f"vllm-2 loses 75 % of its KV cache and slows to 0.35x at {args.fault_at:g} s")
+    console.print(f"starting the demo fleet: {fleet.describe()}; faults from {args.fault_at:g} s: "
+                  "vllm-1 churns connections, vllm-2 loses KV and slows, vllm-3 slows and its clients cancel "
+                  f"(HTTP and gRPC), vllm-4 crashes at {args.fault_at + 30:g} s")
     fleet.start()
+    live = None
     try:
-        backends = [Backend.from_url(url, name=name, engine="vllm", models=(fleet.model,))
-                    for name, url in fleet.urls.items()]
-        analyzer = Analyzer(config, backends=backends)
-        balancer = Balancer(backends, config.balancer)
+        pipeline = Pipeline(config, fleet.backends())
         live = None if args.no_live or not console.is_terminal else Live(console=console, refresh_per_second=2)
         if live is not None:
             live.start()
+        ticks = demo_snapshots(config, fleet, duration=args.duration)
         try:
-            report = analyze(_watch(config, fleet, backends, args.duration, analyzer, balancer, live), analyzer,
+            report = analyze(_watch(ticks, pipeline, fleet, live, args.record), pipeline.analyzer,
                              source=f"demo fleet, {args.duration:g}s")
         finally:
-            if live is not None:
-                live.stop()
+            ticks.close()
     finally:
+        if live is not None:
+            live.stop()
         fleet.stop()
     print_report(report)
-    final = {s.name: s for s in balancer.snapshot_states()}
+    final = {s.name: s for s in pipeline.balancer.snapshot_states()}
     console.print("routing weights at the end: " + ", ".join(f"{n} {s.weight_percent}%" for n, s in sorted(final.items())))
+    clients = "; ".join(f"{name}: " + ", ".join(f"{k}={v}" for k, v in sorted(st.statuses.items()))
+                        for name, st in fleet.client_stats.items())
+    if clients:
+        console.print(f"scripted clients: {clients}")
+    if args.record:
+        console.print(f"recorded {report.snapshots} snapshots to {args.record} "
+                      f"(llmdiag diagnose --replay {args.record}; llmdiag top --replay {args.record})")
     return report.exit_code()
 
 
@@ -122,8 +138,9 @@ def register(sub: Any) -> None:
     parser.add_argument("--rate", type=positive_seconds, default=3.0, metavar="RPS",
                         help="requests per second over the fleet (default 3)")
     parser.add_argument("--fault-at", type=positive_seconds, default=None, metavar="S",
-                        help="when vllm-2 goes bad (default 15 s, or a quarter of a shorter --duration)")
+                        help="when the fault script starts (default 15 s, or a quarter of a shorter --duration)")
     parser.add_argument("--no-live", action="store_true", help="no live table, only the final report")
+    parser.add_argument("--record", metavar="FILE", help="write the snapshots as JSONL (gzip if FILE ends in .gz)")
     parser.set_defaults(handler=handle)
 
 
