@@ -1,145 +1,82 @@
-"""Data sources for ``llmdiag top``: one small interface over live, recorded and remote data.
+"""Data sources for ``llmdiag top``: one small interface over live, recorded and remote agent data.
 
 The TUI never reaches past a :class:`StateSource`. Each call to
-:meth:`StateSource.read` blocks until the next :class:`FleetState` (one per
-tick) and returns it, or returns ``None`` when the source has ended (end of
-a recording, source closed). ``read`` is called from one worker thread;
-:meth:`StateSource.close` may be called from any thread and wakes a blocked
-``read``. Nothing here imports Textual or rich.
+:meth:`StateSource.read` blocks until the next tick and returns its
+:class:`~llmdiag.agent.loop.AgentState` (what ``GET /v1/state`` serves), or
+returns ``None`` when the source has ended (end of a recording, source
+closed). ``read`` is called from one worker thread; :meth:`StateSource.close`
+may be called from any thread and wakes a blocked ``read``. Nothing here
+imports Textual or rich.
 
 Sources:
 
-- :class:`LiveSource`: the collectors of this host, in-process, fed through
-  the same analyzer and scoring balancer the agent runs (:class:`Pipeline`);
-  it also serves the demo fleet (the caller passes the fleet's backends and
-  a ``stop`` callback, since ``sim`` sits above ``agent``);
+- :class:`LiveSource`: snapshots from this host's collectors (or any snapshot
+  factory) through an :class:`~llmdiag.agent.loop.AgentLoop`, the agent's own
+  tick work; it also serves the demo fleet (the caller passes the fleet's
+  snapshots and a ``stop`` callback, since ``sim`` sits above ``agent``);
 - :class:`ReplaySource`: a recording from ``llmdiag collect --record FILE``
-  through the same pipeline, paced by the recorded timestamps, with pause,
-  single step, speed and "jump to the next diagnosis".
+  through an ``AgentLoop``, paced by the recorded timestamps, with pause,
+  single step, speed and "jump to the next diagnosis";
+- :class:`AgentSource`: a running agent's ``GET /v1/state``, polled once per
+  interval.
+
+:func:`diagnosis_changes` tells which diagnoses opened and closed between two
+states, whatever the source (a remote agent only sends states).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
-from llmdiag.analyzers import Analyzer
+from llmdiag.agent.loop import AgentLoop, AgentState
 from llmdiag.config import Config
-from llmdiag.model import Backend, BackendState, Diagnosis, Reason, Snapshot, read_snapshots
-from llmdiag.router_feedback.balancer import Balancer
-from llmdiag.router_feedback.score import ScoreFactors
+from llmdiag.model import Backend, Diagnosis, Snapshot, read_snapshots
 
 __all__ = [
-    "FleetState",
+    "AgentSource",
     "LiveSource",
-    "Pipeline",
     "ReplaySource",
-    "RoutingView",
     "StateSource",
+    "diagnosis_changes",
 ]
 
 log = logging.getLogger("llmdiag.agent.sources")
 
 
-@dataclass(frozen=True, slots=True)
-class RoutingView:
-    """What the scoring balancer makes of one backend at one tick, and why."""
-
-    name: str
-    address: str
-    state: BackendState
-    score: float
-    penalty: float
-    weight_percent: int
-    reasons: tuple[Reason, ...] = ()
-    factors: ScoreFactors | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class FleetState:
-    """One tick as the TUI shows it: the snapshot, the diagnoses and the routing decision."""
-
-    ts: float
-    host: str
-    snapshot: Snapshot
-    open: tuple[Diagnosis, ...]
-    opened: tuple[Diagnosis, ...]
-    closed: tuple[Diagnosis, ...]
-    routing: dict[str, RoutingView]
-    #: kind -> whether its penalty is charged (a kind with ``enforce = false`` is only reported)
-    enforced: dict[str, bool] = field(default_factory=dict)
-
-    @property
-    def backend_names(self) -> list[str]:
-        return sorted(set(self.snapshot.backends) | set(self.routing))
-
-    def open_for(self, backend: str) -> list[Diagnosis]:
-        """The backend's open diagnoses, worst first."""
-        found = [d for d in self.open if d.backend == backend]
-        found.sort(key=lambda d: (-d.severity.rank, -d.penalty, d.kind))
-        return found
-
-
 class StateSource(Protocol):
     """Where ``llmdiag top`` gets its ticks (see the module docstring for the threading contract)."""
 
-    #: One line for the header: "live on gpu-node-7", "replay of run.jsonl" ...
+    #: One line for the header: "live on this host (vllm-0, vllm-1)", "replay of run.jsonl" ...
     description: str
 
-    def read(self) -> FleetState | None: ...
+    def read(self) -> AgentState | None: ...
 
     def close(self) -> None: ...
 
 
-class Pipeline:
-    """Analyzer + scoring balancer, stepped by snapshots: what the agent does each tick.
+def _key(d: Diagnosis) -> tuple[str, str, float]:
+    return (d.kind, d.backend, d.since)
 
-    Time is the snapshot's ``ts`` for both (the balancer's clock is the last
-    snapshot's timestamp), so a replay gives the states the live run gave.
-    """
 
-    def __init__(self, config: Config, backends: Sequence[Backend] | None = None) -> None:
-        self.config = config
-        self._now = 0.0
-        known = list(backends if backends is not None else config.backend_list())
-        self.analyzer = Analyzer(config, backends=known)
-        self.balancer = Balancer(known, config.balancer, clock=lambda: self._now)
-        self._known = {b.name for b in known}
-        self._unaddressed: set[str] = set()
-        self.hostname = config.agent.hostname or ""
-
-    def observe(self, snapshot: Snapshot) -> FleetState:
-        self._now = snapshot.ts
-        for name in snapshot.backends:
-            if name not in self._known:
-                # A recording (or discovery) names a backend the config did not: route it too.
-                self._known.add(name)
-                self._unaddressed.add(name)
-                self.balancer.add_backend(Backend(name=name, url="http://0.0.0.0:1"))
-        result = self.analyzer.observe(snapshot)
-        for name, signals in snapshot.backends.items():
-            self.balancer.update_signals(name, signals)
-        for name, health in result.backends.items():
-            if name in self._known:
-                self.balancer.set_penalty(name, health.penalty, health.reasons)
-        routing = {
-            p.name: RoutingView(p.name, "" if p.name in self._unaddressed else p.address, p.state, p.score, p.penalty, p.weight_percent, p.reasons,
-                                self.balancer.factors(p.name))
-            for p in self.balancer.snapshot_states()
-        }
-        return FleetState(
-            ts=snapshot.ts, host=snapshot.hostname or self.hostname, snapshot=snapshot, open=result.open,
-            opened=result.opened, closed=result.closed, routing=routing, enforced=dict(self.analyzer.enforced),
-        )
+def diagnosis_changes(previous: AgentState | None, current: AgentState) -> tuple[list[Diagnosis], list[Diagnosis]]:
+    """(opened, closed) between two consecutive states: by identity (kind, backend, since)."""
+    before = {_key(d): d for d in previous.open} if previous is not None else {}
+    now = {_key(d): d for d in current.open}
+    opened = [d for k, d in now.items() if k not in before]
+    closed = [d for k, d in before.items() if k not in now]
+    return opened, closed
 
 
 class _Interruptible:
-    """A sleep that :meth:`wake` cuts short (so ``close`` never waits out a tick)."""
+    """A sleep that :meth:`LiveSource.close` cuts short (so quitting never waits out a tick)."""
 
     def __init__(self) -> None:
         self.stopped = threading.Event()
@@ -149,28 +86,28 @@ class _Interruptible:
 
 
 class LiveSource:
-    """This host's collectors (or any snapshot iterator) through a :class:`Pipeline`, one state per tick.
+    """Snapshots from ``snapshots(sleep)`` through an :class:`AgentLoop`, one state per tick.
 
     ``snapshots`` is a factory ``(sleep) -> Iterator[Snapshot]`` (normally
-    :func:`llmdiag.agent.wiring.snapshot_ticks` bound to the config and
-    backends); it must sleep between ticks with the ``sleep`` it is given,
-    which :meth:`close` interrupts. ``on_close`` runs once when the source is
-    closed (the demo stops its fleet there).
+    :func:`llmdiag.agent.ticker.snapshot_ticks` bound to the config and backends);
+    it must sleep between ticks with the ``sleep`` it is given, which :meth:`close`
+    interrupts. It is called, and the iterator closed, on the reading thread.
+    ``on_close`` runs once when the source is closed (the demo stops its fleet there).
     """
 
     def __init__(self, config: Config, backends: Sequence[Backend],
                  snapshots: Callable[[Callable[[float], None]], Iterator[Snapshot]], *,
                  description: str = "live", on_close: Callable[[], None] | None = None) -> None:
         self.description = description
-        self.pipeline = Pipeline(config, backends)
+        self.loop = AgentLoop(config, backends)
         self._sleeper = _Interruptible()
         self._make = snapshots
         self._iter: Iterator[Snapshot] | None = None
         self._on_close = on_close
-        self._closed_lock = threading.Lock()
+        self._close_lock = threading.Lock()
         self._closed = False
 
-    def read(self) -> FleetState | None:
+    def read(self) -> AgentState | None:
         if self._sleeper.stopped.is_set():
             self._finish()
             return None
@@ -183,11 +120,11 @@ class LiveSource:
         if self._sleeper.stopped.is_set():
             self._finish()
             return None
-        return self.pipeline.observe(snap)
+        return self.loop.observe(snap)
 
     def _finish(self) -> None:
-        # The generator is closed on the thread that runs it (closing it from another thread
-        # while it sleeps raises "generator already executing").
+        # Closed on the thread that runs it: closing a generator from another thread while
+        # it sleeps raises "generator already executing". Closing it closes the collectors.
         if self._iter is not None:
             close = getattr(self._iter, "close", None)
             if close is not None:
@@ -196,7 +133,7 @@ class LiveSource:
 
     def close(self) -> None:
         self._sleeper.stopped.set()
-        with self._closed_lock:
+        with self._close_lock:
             if self._closed:
                 return
             self._closed = True
@@ -209,8 +146,11 @@ class ReplaySource:
 
     Controls (any thread): :meth:`pause`, :meth:`resume`, :meth:`toggle_pause`,
     :meth:`step` (one tick while paused), :meth:`set_speed`,
-    :meth:`jump_to_next_diagnosis` (run without pauses until a tick opens a
-    diagnosis, then pause there). ``sleep`` is injectable for tests.
+    :meth:`jump_to_next_diagnosis` (run unpaced until a tick opens a diagnosis,
+    then pause there; every tick on the way is still delivered, so histories
+    stay whole). ``backends`` (default: the configured ones) give addresses,
+    so TIME_WAIT towards ``ip:port`` is its backend's. ``monotonic`` is
+    injectable for tests.
     """
 
     MIN_SPEED = 0.25
@@ -220,7 +160,7 @@ class ReplaySource:
                  speed: float = 1.0, paused: bool = False, backends: Sequence[Backend] | None = None,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self.description = description
-        self.pipeline = Pipeline(config, backends)  # None: the configured backends (addresses for TIME_WAIT)
+        self.loop = AgentLoop(config, backends if backends is not None else config.backend_list())
         self._snapshots = iter(snapshots)
         self._cond = threading.Condition()
         self._paused = paused
@@ -231,6 +171,7 @@ class ReplaySource:
         self._monotonic = monotonic
         self._last_ts: float | None = None
         self._last_at: float | None = None
+        self._previous: AgentState | None = None
         self.position = 0  # snapshots delivered
 
     @classmethod
@@ -260,7 +201,7 @@ class ReplaySource:
     def resume(self) -> None:
         with self._cond:
             self._paused = False
-            self._last_at = None  # do not "catch up" the paused time
+            self._last_at = None  # play on from here; do not "catch up" the paused time
             self._cond.notify_all()
 
     def toggle_pause(self) -> bool:
@@ -312,21 +253,80 @@ class ReplaySource:
                     return True
                 self._cond.wait(timeout=min(left, 0.5))
 
-    def read(self) -> FleetState | None:
+    def read(self) -> AgentState | None:
         try:
             snap = next(self._snapshots)
         except StopIteration:
             return None
         if not self._wait_turn(snap.ts):
             return None
-        state = self.pipeline.observe(snap)
+        state = self.loop.observe(snap)
+        opened, _ = diagnosis_changes(self._previous, state)
+        self._previous = state
         self.position += 1
         with self._cond:
             self._last_ts = snap.ts
             self._last_at = self._monotonic()
-            if self._seeking and state.opened:
-                # Seeking runs unpaced (every tick still shown, so sparklines stay whole)
-                # and stops on the tick that opened a diagnosis.
+            if self._seeking and opened:
                 self._seeking = False
                 self._paused = True
         return state
+
+
+class AgentSource:
+    """A running agent's ``GET /v1/state``, polled every ``interval`` seconds.
+
+    An unreachable or broken agent is not the end: ``read`` keeps trying (every
+    ``interval``) until it gets a new state or the source is closed, and
+    :attr:`error` says what went wrong last (``None`` once it answers again).
+    A state with the same ``ts`` as the last one is not delivered twice.
+    """
+
+    def __init__(self, url: str, *, interval: float = 1.0, timeout: float = 2.0, token: str | None = None,
+                 opener: Callable[..., object] | None = None) -> None:
+        base = url.rstrip("/")
+        if not base.startswith(("http://", "https://")):
+            raise ValueError(f"agent URL must be http(s)://host:port, got {url!r}")
+        self.url = base if base.endswith("/v1/state") else f"{base}/v1/state"
+        self.description = f"agent at {base}"
+        self.interval = interval
+        self.timeout = timeout
+        self.token = token
+        self.error: str | None = None
+        self._open = opener or urllib.request.urlopen
+        self._stopped = threading.Event()
+        self._last_ts: float | None = None
+
+    def fetch(self) -> AgentState:
+        """One ``GET /v1/state`` (raises ``OSError`` or ``ValueError`` with the reason)."""
+        request = urllib.request.Request(self.url, headers={"Accept": "application/json"})
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with self._open(request, timeout=self.timeout) as response:  # type: ignore[attr-defined]
+                body = response.read(64 << 20)
+        except urllib.error.HTTPError as exc:
+            raise OSError(f"HTTP {exc.code} from {self.url}") from None
+        try:
+            return AgentState.from_json(json.loads(body))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{self.url} did not answer JSON: {exc}") from None
+
+    def read(self) -> AgentState | None:
+        while not self._stopped.is_set():
+            try:
+                state = self.fetch()
+            except (OSError, ValueError) as exc:
+                self.error = str(getattr(exc, "reason", None) or exc)
+                self._stopped.wait(self.interval)
+                continue
+            self.error = None
+            if self._last_ts is not None and state.ts <= self._last_ts:
+                self._stopped.wait(self.interval / 4)
+                continue
+            self._last_ts = state.ts
+            return state
+        return None
+
+    def close(self) -> None:
+        self._stopped.set()

@@ -4,8 +4,9 @@
     llmdiag collect --duration 30 --record run.jsonl.gz
     llmdiag collect --collectors tcp,timewait --backend http://127.0.0.1:8000 --json
 
-Snapshots follow ``llmdiag.snapshot/v1`` (SPEC 3.2). ``--json`` prints one
-JSON document per line (JSONL); ``--record FILE`` writes the same lines to a
+Snapshots follow ``llmdiag.snapshot/v1`` (SPEC 3.2). Without ``--json`` each
+snapshot is shown per backend, grouped by source, every value with its unit;
+``--json`` prints one JSON document per line (JSONL); ``--record FILE`` writes the same lines to a
 file (gzip when it ends in ``.gz``) for ``llmdiag diagnose --replay``.
 Counters become rates and histograms become window quantiles only from the
 second tick on, so ``--once`` primes the collectors, waits one interval and
@@ -16,17 +17,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from llmdiag.agent import wiring
+from llmdiag.agent.ticker import snapshot_ticks
+from llmdiag.cli.main import EX_USAGE, name_list, positive_seconds
+from llmdiag.cli.snapshot_view import print_snapshot
 from llmdiag.config import Config
 from llmdiag.model import Snapshot, write_snapshots
-
-from llmdiag.cli import wiring
-from llmdiag.cli.main import EX_USAGE, positive_seconds
 
 
 def snapshot_stream(
@@ -40,27 +41,7 @@ def snapshot_stream(
 ) -> Iterator[Snapshot]:
     """Yield snapshots at ``[agent] interval_seconds`` for ``duration`` seconds (or forever)."""
     backends = wiring.resolve_backends(config)
-    return wiring.snapshot_ticks(config, backends, names, duration=1 if once else duration, prime=once,
-                                 clock=clock, sleep=sleep)
-
-
-def _print_summary(snap: Snapshot) -> None:
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
-
-    from llmdiag.model import encode_value  # noqa: PLC0415
-
-    table = Table(title=f"snapshot {time.strftime('%H:%M:%S', time.localtime(snap.ts))} on {snap.hostname}")
-    table.add_column("scope")
-    table.add_column("subject")
-    table.add_column("signal")
-    table.add_column("value", overflow="fold")
-    for sample in snap.samples():
-        engine = f" engine {sample.engine}" if sample.engine is not None else ""
-        table.add_row(sample.scope.value, f"{sample.subject}{engine}", sample.name, json.dumps(encode_value(sample.value)))
-    for name, status in sorted(snap.collectors.items()):
-        table.add_row("collector", name, status.status.value, status.reason or "")
-    Console().print(table)
+    return snapshot_ticks(config, backends, names, duration=1 if once else duration, prime=once, clock=clock, sleep=sleep)
 
 
 def handle(args: argparse.Namespace, config: Config) -> int:
@@ -68,7 +49,7 @@ def handle(args: argparse.Namespace, config: Config) -> int:
         config = dataclasses.replace(config, agent=dataclasses.replace(config.agent, interval_seconds=args.interval))
     if args.nvml_replay:
         config = dataclasses.replace(config, gpu=dataclasses.replace(config.gpu, replay_file=args.nvml_replay))
-    names = [n.strip() for n in args.collectors.split(",") if n.strip()] if args.collectors else None
+    names = args.collectors  # None = all; never empty (name_list)
     try:
         stream = snapshot_stream(config, names, duration=args.duration, once=args.once)
         if args.record:
@@ -79,10 +60,12 @@ def handle(args: argparse.Namespace, config: Config) -> int:
             if args.json:
                 print(snap.dumps(), flush=True)
             else:
-                _print_summary(snap)
+                print_snapshot(snap)
     except ValueError as exc:
         print(f"llmdiag: {exc}", file=sys.stderr)
         return EX_USAGE
+    except BrokenPipeError:
+        raise  # stdout's reader went away (`| head -1`): main() ends quietly
     except OSError as exc:
         print(f"llmdiag: cannot write {args.record}: {exc.strerror or exc}", file=sys.stderr)
         return 1
@@ -114,7 +97,7 @@ def register(sub: Any) -> None:
     when = parser.add_mutually_exclusive_group()
     when.add_argument("--once", action="store_true", help="print one snapshot (after one priming interval) and exit")
     when.add_argument("--duration", type=positive_seconds, metavar="S", help="collect for S seconds (default: until Ctrl-C)")
-    parser.add_argument("--collectors", metavar="A,B", help="collectors to run (default: all available)")
+    parser.add_argument("--collectors", type=name_list, metavar="A,B", help="collectors to run (default: all available)")
     parser.add_argument("--interval", type=positive_seconds, metavar="S", help="seconds between snapshots (default: [agent] interval_seconds)")
     parser.add_argument("--nvml-replay", metavar="FILE", help="drive the gpu collector from a recorded NVML replay file")
     out = parser.add_argument_group("output")

@@ -26,15 +26,12 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from llmdiag.agent.sources import Pipeline
-from llmdiag.analyzers import Analyzer
-from llmdiag.cli.diagnose import analyze
-from llmdiag.cli.main import positive_seconds
+from llmdiag.agent.loop import AgentLoop, AgentState, analyze
+from llmdiag.cli.main import EX_USAGE, positive_seconds
 from llmdiag.cli.report import print_report
 from llmdiag.cli.tui.demo_source import demo_snapshots
 from llmdiag.config import Config
 from llmdiag.model import Distribution, Snapshot, write_snapshots
-from llmdiag.router_feedback.balancer import Balancer
 from llmdiag.sim.demo_fleet import DemoFleet
 
 
@@ -46,20 +43,22 @@ def _fmt(value: Any, spec: str = ".2f", unit: str = "") -> str:
     return f"{value:{spec}}{unit}"
 
 
-def _table(snap: Snapshot, analyzer: Analyzer, balancer: Balancer, elapsed: float, fleet: DemoFleet) -> Group:
+def _table(state: AgentState, elapsed: float, fleet: DemoFleet) -> Group:
+    snap = state.snapshot
+    assert snap is not None
     open_by_backend: dict[str, list[str]] = {}
-    for d in analyzer.open_diagnoses():
+    for d in state.open:
         open_by_backend.setdefault(d.backend, []).append(f"{d.kind} ({d.severity.value})")
-    states = {s.name: s for s in balancer.snapshot_states()}
     table = Table(title=f"llmdiag demo: {elapsed:4.0f}s, {fleet.stats.sent} requests sent", expand=True)
     for col in ("backend", "up (/metrics)", "waiting", "running", "KV", "TTFT ewma", "penalty", "score", "weight", "diagnoses"):
         table.add_column(col, overflow="fold")
     for name in sorted(snap.backends):
         s = snap.backends[name]
-        st = states.get(name)
+        st = state.backends.get(name)
         diag = ", ".join(open_by_backend.get(name, [])) or "-"
+        up = {1: "up", 0: "down"}.get(s.get("up"), "-")  # type: ignore[call-overload]
         table.add_row(
-            name, "up" if s.get("up") == 1 else "down", _fmt(s.get("requests_waiting"), ".0f"),
+            name, up, _fmt(s.get("requests_waiting"), ".0f"),
             _fmt(s.get("requests_running"), ".0f"), _fmt(s.get("kv_cache_usage"), ".0%"),
             _fmt(s.get("ttft_seconds"), ".2f", " s"), f"{st.penalty:.2f}" if st else "-",
             f"{st.score:.0f}" if st else "-", f"{st.weight_percent}%" if st else "-",
@@ -70,18 +69,19 @@ def _table(snap: Snapshot, analyzer: Analyzer, balancer: Balancer, elapsed: floa
     return Group(table, Text(f"collectors: {statuses}\nclient results: {clients}", style="dim"))
 
 
-def _watch(snapshots: Iterator[Snapshot], pipeline: Pipeline, fleet: DemoFleet, live: Live | None,
+def _watch(snapshots: Iterator[Snapshot], loop: AgentLoop, fleet: DemoFleet, live: Live | None,
            record: str | None) -> Iterator[Snapshot]:
-    """Analyze (and route) each snapshot, record it, update the table; Ctrl-C ends the run, not the report."""
+    """Record each snapshot and update the table; Ctrl-C (or SIGTERM) ends the run, not the report.
+
+    The caller's analyze() runs each snapshot through ``loop`` before asking for the next."""
     start = time.monotonic()
     try:
         for snap in snapshots:
-            pipeline.observe(snap)  # analyzer + balancer; the caller's analyze() then sees the same result
             if record:
                 write_snapshots(record, [snap], append=True)
-            if live is not None:
-                live.update(_table(snap, pipeline.analyzer, pipeline.balancer, time.monotonic() - start, fleet))
             yield snap
+            if live is not None:
+                live.update(_table(loop.state, time.monotonic() - start, fleet))
     except KeyboardInterrupt:
         return  # the report of what was seen still prints
 
@@ -90,6 +90,10 @@ def handle(args: argparse.Namespace, config: Config) -> int:
     if args.fault_at is None:
         # Early enough that a short demo still shows the whole story.
         args.fault_at = min(15.0, args.duration / 4)
+    if args.fault_at >= args.duration:
+        print(f"llmdiag demo: --fault-at {args.fault_at:g} is not before the end of --duration {args.duration:g}: "
+              "the fault would never happen", file=sys.stderr)
+        return EX_USAGE
     if args.record:
         try:
             write_snapshots(args.record, [])  # fail now, not after the run; start the file empty
@@ -104,13 +108,13 @@ def handle(args: argparse.Namespace, config: Config) -> int:
     fleet.start()
     live = None
     try:
-        pipeline = Pipeline(config, fleet.backends())
+        loop = AgentLoop(config, fleet.backends())
         live = None if args.no_live or not console.is_terminal else Live(console=console, refresh_per_second=2)
         if live is not None:
             live.start()
         ticks = demo_snapshots(config, fleet, duration=args.duration)
         try:
-            report = analyze(_watch(ticks, pipeline, fleet, live, args.record), pipeline.analyzer,
+            report = analyze(_watch(ticks, loop, fleet, live, args.record), loop,
                              source=f"demo fleet, {args.duration:g}s")
         finally:
             ticks.close()
@@ -119,7 +123,7 @@ def handle(args: argparse.Namespace, config: Config) -> int:
             live.stop()
         fleet.stop()
     print_report(report)
-    final = {s.name: s for s in pipeline.balancer.snapshot_states()}
+    final = loop.state.backends
     console.print("routing weights at the end: " + ", ".join(f"{n} {s.weight_percent}%" for n, s in sorted(final.items())))
     clients = "; ".join(f"{name}: " + ", ".join(f"{k}={v}" for k, v in sorted(st.statuses.items()))
                         for name, st in fleet.client_stats.items())

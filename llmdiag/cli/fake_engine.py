@@ -8,6 +8,7 @@ It serves the OpenAI completions API (streaming or not), /v1/models, /health
 and vLLM-named /metrics, so collectors, gateways and load generators can be
 tried without a GPU. Fault kinds: slowdown (speed), stall, crash (down),
 error_5xx (ratio), kv_shrink (factor); times in seconds from start.
+It runs until Ctrl-C or SIGTERM and then exits 130, like every llmdiag command.
 """
 
 from __future__ import annotations
@@ -18,26 +19,34 @@ import signal
 import sys
 from typing import Any
 
-from llmdiag.cli.main import EX_USAGE
+from llmdiag.cli.main import EX_INTERRUPTED, EX_USAGE
 from llmdiag.config import Config
 from llmdiag.sim.engine_model import PRESETS
 from llmdiag.sim.fake_engine import FakeEngine, FakeEngineOptions
 from llmdiag.sim.faults import parse_faults
 
 
-async def _serve(options: FakeEngineOptions) -> None:
+async def _serve(options: FakeEngineOptions) -> int:
+    """Serve until SIGINT or SIGTERM; returns the signal that stopped it."""
     engine = FakeEngine(options)
     await engine.start()
     grpc = f" and gRPC on grpc://{options.host}:{engine.grpc_port}" if engine.grpc_port else ""
     print(f"fake engine {options.model} ({options.profile}) serving on {engine.url}{grpc}; Ctrl-C to stop", file=sys.stderr, flush=True)
     stop = asyncio.Event()
+    received: list[int] = []
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: int) -> None:
+        received.append(sig)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await stop.wait()
     finally:
         await engine.stop()
+    return received[0]
 
 
 def handle(args: argparse.Namespace, config: Config) -> int:
@@ -57,7 +66,8 @@ def handle(args: argparse.Namespace, config: Config) -> int:
     except OSError as exc:
         print(f"llmdiag fake-engine: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    return 0
+    # Stopped by Ctrl-C or SIGTERM: 130, like every other llmdiag command (and the shell).
+    return EX_INTERRUPTED
 
 
 def _port(text: str) -> int:

@@ -18,7 +18,7 @@ from rich.text import Text
 from llmdiag.model import HOST, CollectorState, Diagnosis, Severity
 
 if TYPE_CHECKING:
-    from llmdiag.cli.diagnose import DiagnoseReport, Episode
+    from llmdiag.agent.loop import DiagnoseReport, Episode
 
 __all__ = ["diagnosis_renderable", "print_report", "render_report"]
 
@@ -59,7 +59,7 @@ def diagnosis_renderable(d: Diagnosis, *, closed_at: float | None = None, enforc
     evidence.add_column("threshold", justify="right")
     evidence.add_column("window", justify="right")
     for item in d.evidence:
-        evidence.add_row(item.signal, _fmt(item.value), _fmt(item.threshold), f"{item.window_seconds:g}s")
+        evidence.add_row(Text(item.signal), _fmt(item.value), _fmt(item.threshold), item.window_text)
     return Group(head, Padding(Text(d.summary), (0, 0, 0, 2)), Padding(evidence, (0, 0, 0, 2)), Padding(Text(f"-> {d.remediation}", style="italic"), (0, 0, 1, 2)))
 
 
@@ -74,7 +74,8 @@ def render_report(report: DiagnoseReport, console: Console) -> None:
     collectors.add_column("status")
     collectors.add_column("reason")
     for name, st in sorted(report.collectors.items()):
-        collectors.add_row(name, Text(st.status.value, style=_STATUS_STYLE[st.status]), st.reason or "")
+        # Text, not a markup string: a reason such as "a [[backends]] grpc url" must print as written.
+        collectors.add_row(name, Text(st.status.value, style=_STATUS_STYLE[st.status]), Text(st.reason or ""))
     if not report.collectors:
         collectors.add_row("(none)", Text("unavailable", style="red"), "no collector produced a snapshot")
     console.print(collectors)

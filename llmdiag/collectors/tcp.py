@@ -42,7 +42,6 @@ import logging
 import math
 import socket
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -55,7 +54,7 @@ from llmdiag.collectors.sockdiag import SockDiagError, format_endpoint, iter_tcp
 from llmdiag.config.tcp import TcpConfig
 from llmdiag.model import Backend, CollectorState, CollectorStatus, Distribution, Labelled, Sample, Scope
 
-__all__ = ["TcpCollector", "build_tcp_collector", "live_active_closes", "send_path_defines", "slot_bounds_us"]
+__all__ = ["TcpCollector", "build_tcp_collector", "send_path_defines", "slot_bounds_us"]
 
 log = logging.getLogger("llmdiag.collectors.tcp")
 
@@ -68,19 +67,6 @@ _EWMA_ALPHA = 0.2
 _PID_REFRESH_SECONDS = 30.0
 
 ProgramFactory = Callable[[str, Mapping[str, object]], Program]
-
-_LIVE: weakref.WeakSet[TcpCollector] = weakref.WeakSet()
-
-
-def live_active_closes() -> dict[str, int] | None:
-    """Cumulative active closes per client-side destination from a running tcp
-    collector (the TIME_WAIT entry rate source), or ``None`` when none runs."""
-    for collector in list(_LIVE):
-        closes = collector.active_closes_by_destination()
-        if closes is not None:
-            return closes
-    return None
-
 
 def slot_bounds_us(slot: int) -> tuple[float, float]:
     """Bounds in microseconds of a connect latency histogram slot (``latency_slot()`` in the C file)."""
@@ -251,7 +237,6 @@ class TcpCollector:
         self._hist_history.append((self.clock(), {}))  # the window starts empty at load
         self._baseline = self._established_now()
         self._refresh_pids(self.clock())
-        _LIVE.add(self)
 
     def _established_now(self) -> dict[tuple[int, str], int]:
         """ESTABLISHED connections per subject key at start (sock_diag), the base of the active gauge."""
@@ -455,12 +440,11 @@ class TcpCollector:
         return CollectorStatus(CollectorState.OK, f"sends via {self.send_path}", self._last_ok_ts)
 
     def close(self) -> None:
-        _LIVE.discard(self)
         if self.program is not None:
             self.program.close()
 
 
 def build_tcp_collector(config: Any, backends: list[Backend]) -> TcpCollector:
-    """Factory for the agent (``llmdiag.cli.wiring``): ``config`` is the root Config.
+    """Factory for the agent (``llmdiag.agent.wiring``): ``config`` is the root Config.
     Check :attr:`TcpCollector.unavailable` for a failed BPF load."""
     return TcpCollector(config.tcp, backends)

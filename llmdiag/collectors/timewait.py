@@ -227,8 +227,7 @@ class TimewaitCollector:
 
 
 def build_timewait_collector(config: Any, backends: list[Backend]) -> TimewaitCollector:
-    """Factory for the agent: entry rates come from a running tcp collector when there is one."""
-    from llmdiag.collectors.tcp import live_active_closes  # noqa: PLC0415 - bcc stays lazy either way
-
+    """Factory for the agent. Entry rates come from the timers until the agent connects a running
+    tcp collector's active-close counters with :meth:`TimewaitCollector.set_entry_source`."""
     proc_root = getattr(getattr(config, "proc", None), "proc_root", "/proc")
-    return TimewaitCollector(config.timewait, backends, proc_root=proc_root, entry_source=live_active_closes)
+    return TimewaitCollector(config.timewait, backends, proc_root=proc_root)

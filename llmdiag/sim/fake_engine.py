@@ -11,7 +11,10 @@ generators and llmdiag's own collectors to treat it as an engine:
 - ``GET /metrics`` in Prometheus text format with vLLM V1 names
   (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
   ``vllm:time_to_first_token_seconds`` ...), labels ``model_name`` and
-  ``engine``.
+  ``engine``, and the API server's ``http_requests_total{handler,method,status}``
+  with statuses grouped ``2xx``/``4xx``/``5xx``, as vLLM's
+  prometheus-fastapi-instrumentator counts them (``/metrics`` and ``/health``
+  are not counted).
 
 Token counts: a request may give ``prompt_tokens`` (an extension field; load
 generators replaying traces use it), else the prompt is counted as one token
@@ -158,12 +161,16 @@ class FakeEngine:
                               labels, buckets=E2E_BUCKETS, registry=reg).labels(*lv)
         self._queue_time = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase.",
                                      labels, buckets=E2E_BUCKETS, registry=reg).labels(*lv)
+        # vLLM's API server: Instrumentator(excluded_handlers=["/metrics", "/health", ...]) with
+        # status codes grouped, counted when the response (a whole stream) is done.
+        self._http_requests = Counter("http_requests", "Total number of requests by method, status and handler.",
+                                      ["handler", "method", "status"], registry=reg)
         reg.register(_GaugeCollector(self))
         self._preemptions_seen = self.model.preemptions_total
 
     # ----------------------------------------------------------------- server
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._count_http_requests])
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
@@ -221,6 +228,27 @@ class FakeEngine:
     def now(self) -> float:
         """Seconds since start: the engine model's and the fault schedule's time axis."""
         return self.clock() - self._t0
+
+    @web.middleware
+    async def _count_http_requests(self, request: web.Request, handler):  # type: ignore[no-untyped-def]
+        resource = request.match_info.route.resource
+        path = resource.canonical if resource is not None else None
+        if path in (None, "/metrics", "/health"):
+            return await handler(request)
+        status: int | None = None  # stays None for a cancelled handler (client gone): not counted
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except Exception:
+            status = 500  # aiohttp answers an unhandled exception with a 500
+            raise
+        finally:
+            if status is not None:
+                self._http_requests.labels(path, request.method, f"{status // 100}xx").inc()
 
     # --------------------------------------------------------------- handlers
     async def _health(self, request: web.Request) -> web.Response:

@@ -12,7 +12,8 @@ from rich.console import Console
 
 from llmdiag.analyzers import Analyzer
 from llmdiag.analyzers.timelines import SCENARIOS
-from llmdiag.cli import diagnose, wiring
+from llmdiag.agent import wiring
+from llmdiag.cli import diagnose
 from llmdiag.cli.main import main
 from llmdiag.cli.report import render_report
 from llmdiag.config import Config

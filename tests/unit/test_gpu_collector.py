@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmdiag.cli.wiring import COLLECTOR_FACTORIES
+from llmdiag.agent.wiring import COLLECTOR_FACTORIES
 from llmdiag.collectors.base import GuardedCollector, collect_snapshot
 from llmdiag.collectors.gpu import DEVICE_SIGNALS, GpuCollector
 from llmdiag.collectors.nvml_replay import ReplayError

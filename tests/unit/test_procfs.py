@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llmdiag.cli.wiring import COLLECTOR_FACTORIES
+from llmdiag.agent.wiring import COLLECTOR_FACTORIES
 from llmdiag.collectors.procfs import Malformed, ProcCollector, parse_psi, parse_sockstat, parse_task_state
 from llmdiag.config import Config
 from llmdiag.model import Backend, CollectorState, Sample, Scope, Snapshot

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from llmdiag.analyzers import Analyzer, penalties_document
+from llmdiag.analyzers import Analyzer
 from llmdiag.analyzers.timelines import SCENARIOS, TimelineBuilder, dist
 from llmdiag.config.analyzers import DiagnosisConfig
-from llmdiag.model import HOST, BackendState
+from llmdiag.exporters.penalties import penalties_document
+from llmdiag.model import HOST, BackendPenalty, BackendState
 
 
 def _opened(t: TimelineBuilder, config: DiagnosisConfig | None = None):
@@ -104,23 +105,26 @@ def test_scrape_gap_neither_closes_nor_opens_and_stale_data_closes() -> None:
     t = TimelineBuilder().advance(40)
     b = t.backend("vllm-0").set(kv_cache_usage=0.95)
     t.advance(5)
-    b.absent = True  # scrapes fail: the open diagnosis must survive a short gap ...
+    b.absent = "timeout"  # scrapes fail: the open diagnosis must survive a short gap ...
     t.advance(20)
     n_gap = len(t.snapshots)
     t.advance(15)  # ... and close once data has been missing stale_seconds (30)
     a = Analyzer(backends=t.backends())
     results = [a.observe(s) for s in t.snapshots]
-    assert [d.kind for d in results[n_gap - 1].open] == ["kv_cache_saturation"]
-    closed = [r.ts for r in results if r.closed]
-    assert closed and closed[0] - (t.start + 45) >= 30
+    # ... while the outage itself is a backend_down diagnosis of its own.
+    assert sorted(d.kind for d in results[n_gap - 1].open) == ["backend_down", "kv_cache_saturation"]
+    closed = [(r.ts, d.kind) for r in results for d in r.closed]
+    assert closed and closed[0][1] == "kv_cache_saturation" and closed[0][0] - (t.start + 45) >= 30
+    assert [d.kind for d in results[-1].open] == ["backend_down"]
 
 
-def test_penalties_document_takes_balancer_scores() -> None:
+def test_penalties_document_takes_balancer_states() -> None:
     t = SCENARIOS["kv_cache_saturation"].build()
     a = Analyzer(backends=t.backends())
     for s in t.snapshots:
         r = a.observe(s)
-    doc = penalties_document(r.ts, "n", r.backends, scores={"vllm-0": (42.5, 40, BackendState.COOLING)})
+    cooling = BackendPenalty("vllm-0", "10.0.0.7:8000", 42.5, 0.5, 40, BackendState.COOLING)
+    doc = penalties_document(r.ts, "n", r.backends, balancer_states=[cooling])
     entries = {b.name: b for b in doc.backends}
     assert (entries["vllm-0"].score, entries["vllm-0"].weight_percent, entries["vllm-0"].state) == (42.5, 40, BackendState.COOLING)
     assert entries["vllm-0"].penalty == pytest.approx(0.5)

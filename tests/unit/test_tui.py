@@ -114,7 +114,7 @@ async def test_opening_a_backend_shows_evidence_remediation_and_routing() -> Non
         diagnoses = _static_text(screen, "#diagnoses")
         assert "kv_cache_saturation" in diagnoses and "kv_cache_usage" in diagnoses and "->" in diagnoses
         routing = _static_text(screen, "#routing")
-        assert "DEGRADED" in routing and "score factors" in routing
+        assert "DEGRADED" in routing and "kv_cache_saturation" in routing  # the balancer says why
         signals = screen.query_one("#signals", DataTable)
         names = [str(signals.get_row_at(i)[0]) for i in range(signals.row_count)]
         assert "kv_cache_usage" in names and "ttft_seconds.p99" in names

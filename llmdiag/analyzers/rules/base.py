@@ -80,10 +80,11 @@ class Rule(Generic[C]):
         )
 
 
-def ev(signal: str, value: float | str | None, threshold: float | str | None, window: float) -> Evidence:
-    """Evidence with numbers rounded for people (6 significant digits)."""
+def ev(signal: str, value: float | str | None, threshold: float | str | None, window: float | None) -> Evidence:
+    """Evidence with numbers rounded for people (6 significant digits); ``window`` ``None``
+    for a value read as it is now."""
     if isinstance(value, float):
         value = float(f"{value:.6g}")
     if isinstance(threshold, float):
         threshold = float(f"{threshold:.6g}")
-    return Evidence(signal, value, threshold, float(window))
+    return Evidence(signal, value, threshold, None if window is None else float(f"{float(window):.6g}"))

@@ -108,7 +108,7 @@ class GpuMemoryPressure(Rule[GpuMemoryPressureConfig]):
             stay = oom or (frag is not None and frag >= 0.8 * cfg.fragmentation_enter) or (bool(retries) and used is not None and used >= cfg.used_exit)
             evidence = []
             if used is not None:
-                evidence.append(ev(f"gpus[{used_gpu}].memory_used_bytes / memory_total_bytes", used, cfg.used_enter, 0.0))
+                evidence.append(ev(f"gpus[{used_gpu}].memory_used_bytes / memory_total_bytes", used, cfg.used_enter, None))
             if failures is not None:
                 evidence.append(ev("cuda_alloc_failures_total (increase)", failures, 0.0, w))
             if ooms is not None:
@@ -116,7 +116,7 @@ class GpuMemoryPressure(Rule[GpuMemoryPressureConfig]):
             if retries is not None:
                 evidence.append(ev("allocator_alloc_retries_total (increase)", retries, 0.0, w))
             if frag is not None:
-                evidence.append(ev("allocator_inactive_split_bytes / allocator_reserved_bytes", frag, cfg.fragmentation_enter, 0.0))
+                evidence.append(ev("allocator_inactive_split_bytes / allocator_reserved_bytes", frag, cfg.fragmentation_enter, None))
             parts = []
             if oom:
                 parts.append(f"{(failures or 0) + (ooms or 0):g} allocation failures/OOMs in {w:g}s")
@@ -191,7 +191,7 @@ class GpuThrottling(Rule[GpuThrottlingConfig]):
             ]
             clock = ctx.gpu(g, "sm_clock_hz")
             if clock is not None:
-                evidence.append(ev(f"gpus[{g}].sm_clock_hz", clock, None, 0.0))
+                evidence.append(ev(f"gpus[{g}].sm_clock_hz", clock, None, None))
             summary = f"GPU {g} throttled ({', '.join(harmful) or 'none'}) at {util:.0%} utilisation"
             yield subject, g, self.finding(enter, stay, severity, summary, evidence, 0.85)
 
@@ -259,7 +259,7 @@ class IoBlocking(Rule[IoBlockingConfig]):
             if reads is not None:
                 evidence.append(ev("io_read_bytes per second", reads, max(cfg.read_floor_bytes_per_second, cfg.read_factor * (base_reads or 0)), span))
             if util is not None and base_util is not None:
-                evidence.append(ev("gpu_utilization", util, cfg.util_drop_fraction * base_util, 0.0))
+                evidence.append(ev("gpu_utilization", util, cfg.util_drop_fraction * base_util, None))
             parts = []
             if blocked:
                 parts.append(f"{dstate:g} engine threads blocked in D state")

@@ -126,14 +126,14 @@ class TimewaitExhaustion(Rule[TimewaitExhaustionConfig]):
             enter = (fraction is not None and fraction >= cfg.fraction_enter) or (eta is not None and eta < cfg.eta_enter_seconds)
             stay = (fraction is not None and fraction >= cfg.fraction_exit) or (eta is not None and eta < cfg.eta_exit_seconds)
             critical = (fraction is not None and fraction >= cfg.critical_fraction) or (eta is not None and eta < cfg.critical_eta_seconds)
-            evidence = [ev(f"destinations[{dest}].timewait_sockets", tw, None, 0.0)]
+            evidence = [ev(f"destinations[{dest}].timewait_sockets", tw, None, None)]
             if fraction is not None:
-                evidence.append(ev(f"destinations[{dest}] TIME_WAIT share of port range", fraction, cfg.fraction_enter, 0.0))
+                evidence.append(ev(f"destinations[{dest}] TIME_WAIT share of port range", fraction, cfg.fraction_enter, None))
             if eta is not None:
-                evidence.append(ev(f"destinations[{dest}].port_exhaustion_eta_seconds", eta, cfg.eta_enter_seconds, 0.0))
+                evidence.append(ev(f"destinations[{dest}].port_exhaustion_eta_seconds", eta, cfg.eta_enter_seconds, None))
             rate = number(signals.get("timewait_entry_rate"))
             if rate is not None:
-                evidence.append(ev(f"destinations[{dest}].timewait_entry_rate", rate, None, 0.0))
+                evidence.append(ev(f"destinations[{dest}].timewait_entry_rate", rate, None, None))
             summary = f"{'n/a' if tw is None else format(tw, 'g')} sockets in TIME_WAIT to {dest}"
             if fraction is not None:
                 summary += f" ({fraction:.0%} of the port range)"
@@ -256,7 +256,7 @@ class NetworkDegradation(Rule[NetworkDegradationConfig]):
                 bar = max(cfg.srtt_floor_seconds, cfg.srtt_factor_enter * base_srtt)
                 enter |= srtt >= bar
                 stay |= srtt >= max(cfg.srtt_floor_seconds, cfg.srtt_factor_exit * base_srtt)
-                evidence.append(ev("srtt_seconds", srtt, bar, 0.0))
+                evidence.append(ev("srtt_seconds", srtt, bar, None))
             parts = []
             if ratio is not None:
                 parts.append(f"{ratio:.1%} of sends retransmitted")
@@ -280,5 +280,5 @@ class ConntrackPressure(Rule[ConntrackPressureConfig]):
             return
         usage = entries / limit
         severity = Severity.CRITICAL if usage >= cfg.critical_usage else Severity.WARNING
-        evidence = [ev("conntrack_entries / conntrack_max", usage, cfg.enter, 0.0), ev("conntrack_entries", entries, cfg.enter * limit, 0.0)]
+        evidence = [ev("conntrack_entries / conntrack_max", usage, cfg.enter, None), ev("conntrack_entries", entries, cfg.enter * limit, None)]
         yield HOST, "", self.finding(usage >= cfg.enter, usage >= cfg.exit, severity, f"conntrack table {usage:.0%} full ({entries:g} of {limit:g})", evidence, 0.95)

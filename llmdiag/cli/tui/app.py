@@ -15,7 +15,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.worker import get_current_worker
 
-from llmdiag.agent.sources import ReplaySource, StateSource
+from llmdiag.agent.sources import ReplaySource, StateSource, diagnosis_changes
 from llmdiag.cli.tui.messages import DiagnosisClosed, DiagnosisOpened, SnapshotReceived, SourceEnded, SourceFailed
 from llmdiag.cli.tui.model import TopModel
 from llmdiag.cli.tui.screens import FleetScreen, HelpScreen, HostScreen, LogScreen, utc
@@ -70,23 +70,26 @@ class TopApp(App[None]):
     @work(thread=True, exclusive=True, name="source", exit_on_error=False)
     def _read_source(self) -> None:
         worker = get_current_worker()
+        previous = None
         try:
             while not worker.is_cancelled:
                 state = self.source.read()
                 if state is None:
                     self.post_message(SourceEnded())
                     return
-                self.post_message(SnapshotReceived(state))
-                for d in state.opened:
+                opened, closed = diagnosis_changes(previous, state)
+                previous = state
+                self.post_message(SnapshotReceived(state, opened, closed))
+                for d in opened:
                     self.post_message(DiagnosisOpened(d, state.ts))
-                for d in state.closed:
+                for d in closed:
                     self.post_message(DiagnosisClosed(d, state.ts))
         except Exception as exc:  # noqa: BLE001 - shown in the UI; the app keeps what it has
             self.post_message(SourceFailed(f"{type(exc).__name__}: {exc}"))
 
     # -- messages ----------------------------------------------------------------------
     def on_snapshot_received(self, message: SnapshotReceived) -> None:
-        self.model.ingest(message.state)
+        self.model.ingest(message.state, message.opened, message.closed)
         self._redraw()
 
     def on_diagnosis_opened(self, message: DiagnosisOpened) -> None:
@@ -123,6 +126,8 @@ class TopApp(App[None]):
             parts.append("end of data")
         if self.error:
             parts.append(f"source failed: {self.error}")
+        elif getattr(self.source, "error", None):
+            parts.append(f"agent unreachable: {self.source.error}")  # type: ignore[attr-defined]
         return " · ".join(parts) + " · ? help"
 
     # -- actions ------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from llmdiag.agent.sources import LiveSource
-from llmdiag.cli.wiring import build_collectors
+from llmdiag.agent.wiring import build_collectors
 from llmdiag.collectors.base import collect_snapshot
 from llmdiag.config import Config
 from llmdiag.model import Snapshot

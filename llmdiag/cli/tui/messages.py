@@ -4,18 +4,20 @@ from __future__ import annotations
 
 from textual.message import Message
 
-from llmdiag.agent.sources import FleetState
+from llmdiag.agent.loop import AgentState
 from llmdiag.model import Diagnosis
 
 __all__ = ["DiagnosisClosed", "DiagnosisOpened", "SnapshotReceived", "SourceEnded", "SourceFailed"]
 
 
 class SnapshotReceived(Message):
-    """A tick arrived: its snapshot, diagnoses and routing state."""
+    """A tick arrived: its snapshot, diagnoses and routing state, and what opened or closed since the last."""
 
-    def __init__(self, state: FleetState) -> None:
+    def __init__(self, state: AgentState, opened: list[Diagnosis], closed: list[Diagnosis]) -> None:
         super().__init__()
         self.state = state
+        self.opened = opened
+        self.closed = closed
 
 
 class DiagnosisOpened(Message):

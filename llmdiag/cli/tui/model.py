@@ -1,6 +1,6 @@
 """What the TUI shows, computed from the ticks: rows, rates and history (no Textual here).
 
-:class:`TopModel` ingests one :class:`~llmdiag.agent.sources.FleetState` per
+:class:`TopModel` ingests one :class:`~llmdiag.agent.loop.AgentState` per
 tick and keeps, per backend, a short history of the numbers that get a
 sparkline, the per-second rates of the counters the fleet view shows
 (RST_STREAM/s, retransmits/s), and a log of every diagnosis that opened or
@@ -15,9 +15,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmdiag.agent.sources import FleetState, RoutingView
+from llmdiag.agent.loop import AgentBackend, AgentState
 from llmdiag.analyzers.context import gpus_from_processes
-from llmdiag.model import Diagnosis, Distribution, Labelled, Severity
+from llmdiag.model import Diagnosis, Distribution, Labelled, Severity, Snapshot
 
 __all__ = ["FleetRow", "LogEntry", "TopModel", "fmt", "number", "sparkline"]
 
@@ -116,29 +116,26 @@ class TopModel:
     RATES = {"rst_per_s": "h2_rst_stream_total", "retrans_per_s": "tcp_retransmits_total"}
 
     def __init__(self) -> None:
-        self.state: FleetState | None = None
+        self.state: AgentState | None = None
         self.ticks = 0
         self.history: dict[tuple[str, str], deque[float | None]] = {}
         self.log: deque[LogEntry] = deque(maxlen=1000)
-        self.recent_closed: deque[LogEntry] = deque(maxlen=200)
         self._prev: dict[tuple[str, str], tuple[float, float]] = {}  # (backend, signal) -> (ts, value)
         self._rates: dict[tuple[str, str], float | None] = {}
 
     # -- ingest ------------------------------------------------------------------
-    def ingest(self, state: FleetState) -> None:
+    def ingest(self, state: AgentState, opened: Iterable[Diagnosis] = (), closed: Iterable[Diagnosis] = ()) -> None:
+        """One tick; ``opened``/``closed`` are the diagnoses that changed since the last one."""
         self.state = state
         self.ticks += 1
-        for d in state.opened:
+        for d in opened:
             self.log.append(LogEntry(state.ts, "opened", d))
-        for d in state.closed:
-            entry = LogEntry(state.ts, "closed", d)
-            self.log.append(entry)
-            self.recent_closed.append(entry)
-        snap = state.snapshot
-        for name in state.backend_names:
+        for d in closed:
+            self.log.append(LogEntry(state.ts, "closed", d))
+        snap = self.snapshot
+        for name in self.backend_names():
             signals = snap.backends.get(name, {})
-            routing = state.routing.get(name)
-            values = self._series_values(name, signals, routing)
+            values = self._series_values(name, signals, state.backends.get(name))
             for key, value in values.items():
                 self._push((name, key), value)
             for column, signal in self.RATES.items():
@@ -146,6 +143,24 @@ class TopModel:
         for key, value in (("psi_io_full_avg10", number(snap.host.get("psi_io_full_avg10"))),
                            ("sockstat_tcp_tw", number(snap.host.get("sockstat_tcp_tw")))):
             self._push(("host", key), value)
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The latest snapshot (an empty one before the first, or when the agent has none yet)."""
+        if self.state is None or self.state.snapshot is None:
+            return Snapshot(ts=0.0)
+        return self.state.snapshot
+
+    def backend_names(self) -> list[str]:
+        if self.state is None:
+            return []
+        return sorted(set(self.snapshot.backends) | set(self.state.backends))
+
+    def open_for(self, backend: str) -> list[Diagnosis]:
+        """The backend's open diagnoses, worst first."""
+        found = [d for d in self.state.open if d.backend == backend] if self.state else []
+        found.sort(key=lambda d: (-d.severity.rank, -d.penalty, d.kind))
+        return found
 
     def _push(self, key: tuple[str, str], value: float | None) -> None:
         series = self.history.get(key)
@@ -162,7 +177,7 @@ class TopModel:
             return None
         return (value - prev[1]) / (ts - prev[0])
 
-    def _series_values(self, name: str, signals: Mapping[str, Any], routing: RoutingView | None) -> dict[str, float | None]:
+    def _series_values(self, name: str, signals: Mapping[str, Any], routing: AgentBackend | None) -> dict[str, float | None]:
         out: dict[str, float | None] = {
             "score": routing.score if routing else None,
             "penalty": routing.penalty if routing else None,
@@ -186,15 +201,11 @@ class TopModel:
         return self._rates.get((backend, column))
 
     def gpus_of(self, backend: str) -> tuple[str, ...]:
-        if self.state is None:
-            return ()
-        return gpus_from_processes(self.state.snapshot.backends.get(backend, {}))
+        return gpus_from_processes(self.snapshot.backends.get(backend, {}))
 
     def destination_of(self, backend: str) -> str | None:
-        if self.state is None:
-            return None
-        routing = self.state.routing.get(backend)
-        if routing is not None and routing.address in self.state.snapshot.destinations:
+        routing = self.state.backends.get(backend) if self.state else None
+        if routing is not None and routing.address in self.snapshot.destinations:
             return routing.address
         return None
 
@@ -202,12 +213,12 @@ class TopModel:
         state = self.state
         if state is None:
             return []
-        snap = state.snapshot
+        snap = self.snapshot
         rows = []
-        for name in state.backend_names:
+        for name in self.backend_names():
             s = snap.backends.get(name, {})
-            routing = state.routing.get(name)
-            top = state.open_for(name)
+            routing = state.backends.get(name)
+            top = self.open_for(name)
             utils = [number(snap.gpus.get(g, {}).get("gpu_utilization")) for g in self.gpus_of(name)]
             mems = []
             for g in self.gpus_of(name):

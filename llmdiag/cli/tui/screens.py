@@ -215,7 +215,7 @@ class BackendScreen(_Base):
         state = model.state
         if state is None:
             return
-        routing = state.routing.get(self.backend)
+        routing = state.backends.get(self.backend)
         head = Text()
         head.append(self.backend, style="bold underline")
         if routing is not None:
@@ -223,26 +223,26 @@ class BackendScreen(_Base):
             head.append(routing.state.value.upper(), style=_STATE_STYLE.get(routing.state.value, ""))
             head.append(f"  score {routing.score:.0f}  penalty {routing.penalty:.2f}  weight {routing.weight_percent}%")
             why = [f"  {r.kind}: {r.summary} (penalty {r.penalty:.2f})" for r in routing.reasons]
-            if routing.factors is not None:
-                f = routing.factors
-                why.append(f"  score factors (0 best, 1 worst): ttft {f.ttft:.2f}, errors {f.error:.2f}, "
-                           f"queue {f.queue:.2f}, kv {f.kv:.2f}; health {f.health:.0f} x (1 - penalty) = {f.score:.0f}")
+            if routing.cooling_until is not None:
+                why.append(f"  cooling until {utc(routing.cooling_until)} ({routing.cooling_until - state.ts:.0f} s left)")
+            if routing.ejected_until is not None:
+                why.append(f"  ejected until {utc(routing.ejected_until)} ({routing.ejected_until - state.ts:.0f} s left)")
+            if routing.state.value == "warming":
+                why.append("  warming: new or restarted, its share of traffic ramps up")
             body = Group(head, Text("balancer: " + ("why:" if why else "nothing against it")), *[Text(w) for w in why])
         else:
             body = Group(head, Text("not routed by the balancer"))
         self.query_one("#routing", Static).update(body)
-        parts: list[Any] = []
-        for d in state.open_for(self.backend):
-            parts.append(diagnosis_renderable(d, enforced=state.enforced.get(d.kind, True)))
-        recent = [e for e in model.recent_closed if e.diagnosis.backend == self.backend][-3:]
+        parts: list[Any] = [diagnosis_renderable(d) for d in model.open_for(self.backend)]
+        recent = [e for e in state.closed if e.diagnosis.backend == self.backend][-3:]
         for e in reversed(recent):
-            parts.append(diagnosis_renderable(e.diagnosis, closed_at=e.ts, enforced=state.enforced.get(e.diagnosis.kind, True)))
+            parts.append(diagnosis_renderable(e.diagnosis, closed_at=e.closed_at, enforced=e.enforced))
         if not parts:
             parts.append(Text("no open or recent diagnoses", style="green"))
         self.query_one("#diagnoses", Static).update(Group(Text("diagnoses", style="bold"), *parts))
         table = self.query_one("#signals", DataTable)
         table.clear()
-        signals = state.snapshot.backends.get(self.backend, {})
+        signals = model.snapshot.backends.get(self.backend, {})
         for name in sorted(signals):
             value = signals[name]
             if isinstance(value, Distribution):
@@ -294,7 +294,7 @@ class HostScreen(_Base):
         state = model.state
         if state is None:
             return
-        snap = state.snapshot
+        snap = model.snapshot
         h = snap.host
         conn, conn_max = number(h.get("conntrack_entries")), number(h.get("conntrack_max"))
         lines = Text()
@@ -332,7 +332,7 @@ class HostScreen(_Base):
                           fmt(number(s.get("ephemeral_ports_available")), ".0f"), fmt(eta, ".0f", " s"))
         collectors = self.query_one("#collectors", DataTable)
         collectors.clear()
-        for name, st in sorted(snap.collectors.items()):
+        for name, st in sorted(state.collectors.items()):
             collectors.add_row(name, st.status.value, st.reason or "")
 
 

@@ -13,6 +13,10 @@ import pytest
 from llmdiag.cli.main import main
 
 
+# Wall-clock runs of real engines on loopback (tens of seconds): the integration tier.
+pytestmark = pytest.mark.integration
+
+
 def test_demo_names_the_drowning_engine(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["demo", "--duration", "35", "--fault-at", "2", "--no-live"])
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Agent wiring: which collectors exist and how to build them from the config.
+"""Which collectors exist, how to build them from the config, and which backends to watch.
 
 ``COLLECTOR_FACTORIES`` maps a collector name (as given to
 ``llmdiag collect --collectors a,b``) to a factory
@@ -10,19 +10,16 @@ as an ``unavailable`` collector status instead of failing.
 from __future__ import annotations
 
 import logging
-import math
-import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-from llmdiag.collectors.base import Collector, GuardedCollector, collect_snapshot
+from llmdiag.collectors.base import Collector, GuardedCollector
 from llmdiag.collectors.discovery import discover_engines, local_backend_pids
 from llmdiag.collectors.gpu import build_gpu_collector
 from llmdiag.collectors.procfs import build_proc_collector
 from llmdiag.config import Config
-from llmdiag.model import Backend, CollectorState, CollectorStatus, Snapshot
+from llmdiag.model import Backend, CollectorState, CollectorStatus
 
-__all__ = ["COLLECTOR_FACTORIES", "CollectorUnavailable", "build_collectors", "resolve_backends", "snapshot_ticks"]
+__all__ = ["COLLECTOR_FACTORIES", "CollectorUnavailable", "build_collectors", "resolve_backends"]
 
 log = logging.getLogger("llmdiag.agent")
 
@@ -42,7 +39,17 @@ COLLECTOR_FACTORIES: dict[str, CollectorFactory] = {
     "timewait": lambda config, backends: _timewait_factory(config, backends),
     "cuda": lambda config, backends: _cuda_factory(config, backends),
     "http2": lambda config, backends: _http2_factory(config, backends),
+    "envoy": lambda config, backends: _envoy_factory(config, backends),
 }
+
+
+def _envoy_factory(config: Config, backends: list[Backend]) -> Collector:
+    from llmdiag.collectors.envoy_admin import build_envoy_collector  # noqa: PLC0415
+
+    try:
+        return build_envoy_collector(config, backends)
+    except LookupError as exc:
+        raise CollectorUnavailable(str(exc)) from exc
 
 
 def _engine_factory(config: Config, backends: list[Backend]) -> Collector:
@@ -138,56 +145,17 @@ def build_collectors(
         for collector in running:
             collector.close()
         raise
+    _connect(running)
     return running, unavailable
 
 
-def snapshot_ticks(
-    config: Config,
-    backends: list[Backend],
-    names: list[str] | None = None,
-    *,
-    duration: float | None = None,
-    prime: bool = False,
-    clock: Callable[[], float] = time.time,
-    sleep: Callable[[float], None] = time.sleep,
-    monotonic: Callable[[], float] | None = None,
-) -> Iterator[Snapshot]:
-    """Build the collectors and yield one snapshot every ``[agent] interval_seconds``.
+def _connect(running: list[GuardedCollector]) -> None:
+    """Wire collectors that feed each other, explicitly (no module-level registry).
 
-    ``clock`` stamps the snapshots (wall time); ticks are scheduled on ``monotonic``
-    (default ``time.monotonic``, or ``clock`` itself when a test injects one) so that a
-    wall-clock step (NTP) never stalls or bunches the ticks.
-
-    ``duration`` gives ``max(1, round(duration / interval))`` snapshots (``None``: until the
-    consumer stops). ``prime`` runs one unreported tick first, so that rates and window
-    quantiles exist in the first snapshot yielded. Collectors are closed when the generator
-    ends or is closed (BPF programs detached). Unknown collector names raise ``ValueError``
-    before anything is yielded.
+    The timewait collector's entry rate per destination comes from the tcp collector's
+    in-kernel active-close counters when that collector runs; else from the kernel timers.
     """
-    if duration is not None and not (math.isfinite(duration) and duration > 0):
-        raise ValueError(f"duration must be a positive number of seconds, got {duration!r}")
-    collectors, unavailable = build_collectors(config, backends, names)
-    hostname = config.agent.hostname or socket.gethostname()
-    interval = config.agent.interval_seconds
-    ticks = None if duration is None else max(1, int(round(duration / interval)))
-    mono = monotonic or (time.monotonic if clock is time.time else clock)
-    try:
-        if prime:
-            collect_snapshot(collectors, clock(), hostname)
-            sleep(interval)
-        next_tick = mono()
-        count = 0
-        while True:
-            snap = collect_snapshot(collectors, clock(), hostname)
-            snap.collectors.update(unavailable)
-            yield snap
-            count += 1
-            if ticks is not None and count >= ticks:
-                return
-            next_tick += interval
-            delay = next_tick - mono()
-            if delay > 0:
-                sleep(delay)
-    finally:
-        for c in collectors:
-            c.close()
+    inner = {c.name: c.inner for c in running}
+    tcp, timewait = inner.get("tcp"), inner.get("timewait")
+    if tcp is not None and timewait is not None and hasattr(timewait, "set_entry_source"):
+        timewait.set_entry_source(tcp.active_closes_by_destination)

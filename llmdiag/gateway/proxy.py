@@ -1,0 +1,524 @@
+"""``llmdiag gateway``: an OpenAI-compatible reverse proxy that routes with the balancer (SPEC 6.5).
+
+Request path (``POST /v1/chat/completions``, ``POST /v1/completions``):
+
+1. read the body (bounded), parse only what routing needs (model, stream,
+   prompt-token estimate: :mod:`llmdiag.gateway.request`), maybe start a
+   mirrored copy (:mod:`llmdiag.gateway.mirror`);
+2. ``balancer.pick(model, est_prompt_tokens, exclude=tried)``;
+3. send the client's bytes upstream on a pooled keep-alive connection;
+4. a non-200 answer or a failure before the response headers is classified
+   by ``balancer.on_finish`` and retried on another backend when SPEC 6.3
+   allows it (at most ``max_retries``, backoff with jitter, never the same
+   backend, only before the first byte reached the client); otherwise it is
+   passed through unchanged;
+5. a 200 is streamed to the client chunk by chunk as it arrives (no
+   buffering); the first body chunk of a streamed answer is the first token:
+   ``on_first_token(backend, ttft)``; the end is ``on_finish(backend, ...)``.
+
+Every pick ends with exactly one ``on_finish``: a client that hangs up is
+reported with status 499 (the client's doing, not counted against the
+backend), after the upstream request has been cancelled by closing its
+connection (HTTP/1.1 has no other cancel; vLLM aborts the request when its
+client goes away).
+
+Timeouts: ``connect_timeout_seconds`` to connect; ``idle_timeout_seconds`` of
+silence between reads (headers included); ``request_timeout_seconds`` for
+the whole exchange. Connections: one aiohttp pool, at most
+``max_connections_per_backend`` per backend, kept alive for reuse, so the
+gateway does not open (and TIME_WAIT) a connection per request; the only
+connections it closes early are those of cancelled or failed requests.
+
+Background tasks: node agents' penalties (:mod:`llmdiag.router_feedback.agent_penalties`),
+the engines' own metrics (:mod:`llmdiag.gateway.engine_signals`), active probes (what re-admits an ejected backend) and the backends' model
+lists (backends configured without ``models`` learn them from ``/v1/models``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from llmdiag.config.engine import EngineConfig
+from llmdiag.config.gateway import GatewayConfig, split_listen
+from llmdiag.model import Backend
+from llmdiag.router_feedback.agent_penalties import AgentPenalties
+from llmdiag.router_feedback.balancer import Balancer, NoBackendAvailable
+from llmdiag.router_feedback.errors import CONNECT_ERROR, TIMEOUT, Classification, ResponseClass
+from llmdiag.router_feedback.probes import AiohttpProbeClient, ProbeRunner
+from llmdiag.router_feedback.retry import RetryPolicy
+
+from llmdiag.gateway.engine_signals import EngineSignals
+from llmdiag.gateway.metrics import GatewayMetrics
+from llmdiag.gateway.mirror import Mirror
+from llmdiag.gateway.request import BadRequest, forward_headers, parse_request
+
+__all__ = ["BACKEND_HEADER", "CLIENT_CLOSED", "Gateway", "access_logger"]
+
+log = logging.getLogger(__name__)
+
+#: Response header naming the backend that answered.
+BACKEND_HEADER = "x-llmdiag-backend"
+#: Response header with the routing decision (score and load at pick time, attempts).
+ROUTE_HEADER = "x-llmdiag-route"
+#: Status reported to the balancer when the client went away (nginx's convention; a 4xx is not the backend's fault).
+CLIENT_CLOSED = 499
+#: Error bodies are read up to this size (classification reads a prefix; the client gets what was read).
+_MAX_ERROR_BODY = 256 * 1024
+_MAX_MODELS_BODY = 1 << 20
+
+
+@dataclass(slots=True)
+class _Failure:
+    """An attempt that produced no 200: what the client gets if it is not retried."""
+
+    backend: Backend
+    status: int | str
+    classification: Classification
+    body: bytes = b""
+    headers: Sequence[tuple[str, str]] = ()
+
+
+def access_logger(where: str) -> logging.Logger | None:
+    """The access log: ``-`` = stderr, ``""`` = none, else a file appended to."""
+    if not where:
+        return None
+    logger = logging.getLogger("llmdiag.gateway.access")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    handler: logging.Handler = logging.StreamHandler(sys.stderr) if where == "-" else logging.FileHandler(where)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    logger.addHandler(handler)
+    return logger
+
+
+class Gateway:
+    """The proxy: an aiohttp application plus its background tasks.
+
+    ``start()`` binds ``config.listen`` (port 0 picks one: :attr:`port`),
+    ``stop()`` undoes everything. The balancer is the caller's (it may hold
+    backends with state already); its clock should be monotonic seconds.
+    """
+
+    def __init__(self, config: GatewayConfig, balancer: Balancer, *, rng: Any = None,
+                 access_log: logging.Logger | None = None, engine_config: EngineConfig | None = None) -> None:
+        self.config = config
+        self.balancer = balancer
+        self._rng = rng if rng is not None else random.Random()
+        self._retry = RetryPolicy(balancer.config, self._rng)
+        self._access = access_log
+        self.agents = (AgentPenalties(config.agents, token=config.agent_token or None, interval=config.agent_poll_seconds,
+                                      timeout=config.agent_timeout_seconds) if config.agents else None)
+        self.engine_signals = (EngineSignals(balancer, engine_config, config.engine_signals_seconds)
+                               if config.engine_signals else None)
+        self.metrics = GatewayMetrics(balancer, self.agents, extra=self._extra_counters)
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._probes: ProbeRunner | None = None
+        self.mirror: Mirror | None = None
+        self._fixed_models = {b.name for b in balancer.backends if b.models}
+        self._models_cache: tuple[float, list[dict[str, Any]]] = (-1e18, [])
+        self._models_lock = asyncio.Lock()
+        self.host, self.port = split_listen(config.listen)
+
+    # --------------------------------------------------------------- lifecycle
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_request_bytes)
+        app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        return app
+
+    async def start(self) -> None:
+        cfg = self.config
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=cfg.max_connections_per_backend,
+                                         keepalive_timeout=cfg.keepalive_seconds, ttl_dns_cache=300)
+        self._timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_seconds, sock_connect=cfg.connect_timeout_seconds,
+                                              sock_read=cfg.idle_timeout_seconds)
+        # auto_decompress off: compressed answers pass through as the backend sent them.
+        # No automatic Accept/Accept-Encoding/User-Agent: upstream sees the client's own headers.
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False, timeout=self._timeout,
+                                              skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent"))
+        if cfg.mirror_url:
+            self.mirror = Mirror(cfg.mirror_url, cfg.mirror_fraction, cfg.mirror_max_in_flight, self._session,
+                                 cfg.request_timeout_seconds, self._rng, self.metrics.mirrored)
+        # handler_cancellation: a client that hangs up cancels its handler at once, so the upstream
+        # request is cancelled even while the engine has not answered anything yet.
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        await site.start()
+        server = site._server  # aiohttp exposes the bound port only here
+        if server is not None and server.sockets:  # type: ignore[union-attr]
+            self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._stop.clear()
+        if self.agents is not None:
+            self._tasks.append(asyncio.create_task(self.agents.run(self._session, self.balancer, self._stop)))
+        if self.engine_signals is not None:
+            self._tasks.append(asyncio.create_task(self.engine_signals.run(self._stop)))
+        if cfg.probes:
+            self._probes = ProbeRunner(self.balancer, AiohttpProbeClient(self.balancer.config.probe_prompt, session=self._session))
+            self._probes.start()
+        self._tasks.append(asyncio.create_task(self._models_loop()))
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._probes is not None:
+            await self._probes.close()
+            self._probes = None
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        if self.mirror is not None:
+            await self.mirror.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def _extra_counters(self) -> dict[str, float]:
+        probes = self._probes
+        return {"engine_signal_rounds": self.engine_signals.rounds_total if self.engine_signals else 0,"probes": probes.probes_total if probes else 0, "probe_failures": probes.probe_failures_total if probes else 0}
+
+    # ---------------------------------------------------------------- handlers
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        cfg = self.config
+        endpoint = request.path
+        started = time.perf_counter()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._finish_local(request, started, _error(413, f"request body larger than {cfg.max_request_bytes} bytes"))
+        try:
+            routed = parse_request(raw, cfg.chars_per_token)
+        except BadRequest as exc:
+            return self._finish_local(request, started, _error(400, str(exc)))
+        headers = forward_headers(request.headers.items())
+        if self.mirror is not None:
+            self.mirror.maybe(endpoint, raw, headers)
+        tried: list[str] = []
+        failure: _Failure | None = None
+        reason = "pick"
+        metrics = self.metrics
+        metrics.in_flight.inc()
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    backend = self.balancer.pick(routed.model, routed.est_prompt_tokens, exclude=tried)
+                except NoBackendAvailable as exc:
+                    metrics.no_backend.inc()
+                    if failure is not None:  # retries ran out of backends: the client gets the last answer
+                        return await self._pass_failure(request, failure, started, len(tried), f"{reason}; {exc}")
+                    if routed.model is not None and not self._anyone_serves(routed.model):
+                        return self._finish_local(request, started, _error(
+                            404, f"The model `{routed.model}` does not exist.", "model_not_found"), routed.model)
+                    return self._finish_local(request, started, _error(503, str(exc), "no_backend_available"), routed.model)
+                decision = time.perf_counter() - t0
+                metrics.decision.labels(backend.name).observe(decision)
+                metrics.picks.labels(backend.name).inc()
+                tried.append(backend.name)
+                result = await self._attempt(request, backend, routed.stream, routed.est_prompt_tokens, raw, headers,
+                                             len(tried), reason, started, routed.model)
+                if not isinstance(result, _Failure):
+                    return result
+                failure = result
+                why = self._retry.decide(len(tried), result.classification, result.status, first_byte_sent=False)
+                if not why.retry:
+                    return await self._pass_failure(request, failure, started, len(tried), f"{reason}; not retried: {why.why}")
+                cls = result.classification.response_class.value
+                metrics.retries.labels(cls).inc()
+                reason = f"retry after {cls} from {backend.name}"
+                if why.delay_seconds > 0:
+                    await asyncio.sleep(why.delay_seconds)
+        finally:
+            metrics.in_flight.dec()
+
+    def _anyone_serves(self, model: str) -> bool:
+        """Whether any backend (eligible or not) serves ``model``; backends without a model list serve anything."""
+        return any(not b.models or model in b.models for b in self.balancer.backends)
+
+    async def _attempt(self, request: web.Request, backend: Backend, stream: bool, est: int, raw: bytes,
+                       headers: list[tuple[str, str]], attempt: int, reason: str, started: float,
+                       model: str | None) -> web.StreamResponse | _Failure:
+        """One upstream exchange; a :class:`_Failure` when nothing reached the client (retry candidate)."""
+        balancer = self.balancer
+        assert self._session is not None
+        score = balancer.score(backend)
+        load = balancer.load(backend)
+        route = f"score={score:.1f}; load={load:.1f}; attempt={attempt}"
+        sent_at = time.perf_counter()
+        upstream: aiohttp.ClientResponse | None = None
+        first_at: float | None = None
+        size = 0
+        finished = False
+        try:
+            try:
+                upstream = await self._session.post(backend.url + request.path, data=raw, headers=headers)
+            except asyncio.TimeoutError:
+                return self._failed(backend, TIMEOUT, est)
+            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                # Refused, reset, or a pooled connection the backend had closed: nothing was processed.
+                log.debug("%s: %s", backend.name, exc)
+                return self._failed(backend, CONNECT_ERROR, est)
+            except aiohttp.ClientError as exc:
+                log.debug("%s: %s", backend.name, exc)
+                return self._failed(backend, 502, est)
+            if upstream.status != 200:
+                try:
+                    body = await _read_capped(upstream.content, _MAX_ERROR_BODY)
+                except (asyncio.TimeoutError, aiohttp.ClientError):
+                    body = b""
+                out_headers = forward_headers(upstream.headers.items())
+                upstream.release()
+                failure = self._failed(backend, upstream.status, est, body, upstream.headers)
+                failure.body, failure.headers = body, out_headers
+                finished = True
+                return failure
+            resp = web.StreamResponse(status=200, headers=_response_headers(upstream, backend, route))
+            if upstream.content_length is not None and "chunked" not in upstream.headers.get("Transfer-Encoding", ""):
+                resp.content_length = upstream.content_length
+            await resp.prepare(request)
+            content = upstream.content
+            while True:
+                try:
+                    chunk = await content.readany()
+                except asyncio.TimeoutError:
+                    self._end(backend, TIMEOUT, est, first_at is not None)
+                    finished = True
+                    _abort_client(request)
+                    self._log(request, model, 200, backend, attempt, reason + "; upstream went silent", route, started,
+                              first_at, size, "timeout")
+                    return resp
+                except aiohttp.ClientError as exc:
+                    log.info("%s: stream broke after %d bytes: %s", backend.name, size, exc)
+                    self._end(backend, 502, est, first_at is not None)
+                    finished = True
+                    _abort_client(request)
+                    self._log(request, model, 200, backend, attempt, reason + "; upstream broke mid-stream", route, started,
+                              first_at, size, "server_5xx")
+                    return resp
+                if not chunk:
+                    break
+                if first_at is None:
+                    first_at = time.perf_counter()
+                    if stream:
+                        ttft = first_at - sent_at
+                        balancer.on_first_token(backend, ttft, est)
+                        self.metrics.ttft.labels(backend.name).observe(ttft)
+                size += len(chunk)
+                try:
+                    await resp.write(chunk)
+                except (ConnectionError, RuntimeError):
+                    self._client_gone(backend, est, stream and first_at is not None)
+                    finished = True
+                    self._log(request, model, CLIENT_CLOSED, backend, attempt, reason + "; client went away", route, started,
+                              first_at, size, "client_closed")
+                    return resp
+            self._end(backend, 200, est, stream and first_at is not None)
+            finished = True
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await resp.write_eof()
+            self._log(request, model, 200, backend, attempt, reason, route, started, first_at, size, "ok")
+            return resp
+        except asyncio.CancelledError:
+            # The client hung up (aiohttp cancelled this handler): cancel upstream, then tell the balancer.
+            if upstream is not None:
+                upstream.close()
+            if not finished:
+                self._client_gone(backend, est, stream and first_at is not None)
+                finished = True
+                self._log(request, model, CLIENT_CLOSED, backend, attempt, reason + "; client went away", route, started,
+                          first_at, size, "client_closed")
+            raise
+        finally:
+            if upstream is not None and not upstream.closed:
+                if finished and upstream.content.is_eof():
+                    upstream.release()  # fully read: back to the pool
+                else:
+                    upstream.close()  # unread body: the connection cannot be reused
+
+    # ----------------------------------------------------------------- feedback
+
+    def _failed(self, backend: Backend, status: int | str, est: int, body: bytes | None = None,
+                headers: Any = None) -> _Failure:
+        cls = self._end(backend, status, est, False, body, headers)
+        return _Failure(backend, status, cls)
+
+    def _end(self, backend: Backend, status: int | str, est: int, first_token_seen: bool, body: bytes | None = None,
+             headers: Any = None) -> Classification:
+        cls = self.balancer.on_finish(backend, status, body, headers, first_token_seen=first_token_seen, prompt_tokens=est)
+        self.metrics.responses.labels(backend.name, cls.response_class.value).inc()
+        return cls
+
+    def _client_gone(self, backend: Backend, est: int, first_token_seen: bool) -> None:
+        self.metrics.client_disconnects.inc()
+        self._end(backend, CLIENT_CLOSED, est, first_token_seen)
+
+    # ----------------------------------------------------------------- answers
+
+    async def _pass_failure(self, request: web.Request, failure: _Failure, started: float, attempts: int,
+                            reason: str) -> web.StreamResponse:
+        status = failure.status if isinstance(failure.status, int) else (504 if failure.status == TIMEOUT else 502)
+        if failure.body or isinstance(failure.status, int):
+            resp = web.Response(status=status, body=failure.body)
+            for k, v in failure.headers:
+                if k.lower() != "content-encoding" or failure.body:
+                    resp.headers.add(k, v)
+        else:
+            what = "timed out" if failure.status == TIMEOUT else "could not be reached"
+            resp = _error(status, f"backend {failure.backend.name} {what}", "upstream_" + str(failure.status))
+        resp.headers[BACKEND_HEADER] = failure.backend.name
+        resp.headers[ROUTE_HEADER] = f"attempt={attempts}"
+        cls = failure.classification.response_class.value
+        self._log(request, None, status, failure.backend, attempts, reason, f"class={cls}", started, None, len(failure.body), cls)
+        return resp
+
+    def _finish_local(self, request: web.Request, started: float, resp: web.Response, model: str | None = None) -> web.Response:
+        self._log(request, model, resp.status, None, 0, "answered by the gateway", "", started, None, 0, f"gateway_{resp.status}")
+        return resp
+
+    def _log(self, request: web.Request, model: str | None, status: int, backend: Backend | None, attempts: int, reason: str,
+             route: str, started: float, first_at: float | None, size: int, outcome: str) -> None:
+        """One access-log line and the ``requests{endpoint, class}`` count (``outcome`` is the class)."""
+        self.metrics.requests.labels(request.path, outcome).inc()
+        if self._access is None:
+            return
+        now = time.perf_counter()
+        ttft = f"{(first_at - started) * 1000:.1f}" if first_at is not None else "-"
+        self._access.info('%s "%s %s" %s model=%s backend=%s %s reason="%s" ttft_ms=%s duration_ms=%.1f bytes=%d',
+                          request.remote, request.method, request.path, status, model or "-",
+                          backend.name if backend else "-", route or "-", reason, ttft, (now - started) * 1000, size)
+
+    # ------------------------------------------------------------------ models
+
+    async def _models(self, request: web.Request) -> web.Response:
+        data = await self.models()
+        return web.json_response({"object": "list", "data": data})
+
+    async def models(self, max_age: float | None = None) -> list[dict[str, Any]]:
+        """``/v1/models`` of every backend, merged by id (first answer wins), cached ``models_cache_seconds``."""
+        max_age = self.config.models_cache_seconds if max_age is None else max_age
+        async with self._models_lock:
+            at, data = self._models_cache
+            if time.monotonic() - at <= max_age:
+                return data
+            backends = self.balancer.backends
+            answers = await asyncio.gather(*(self._backend_models(b) for b in backends))
+            merged: dict[str, dict[str, Any]] = {}
+            learned: dict[str, tuple[str, ...]] = {}
+            for backend, models in zip(backends, answers):
+                if models is None:
+                    continue
+                for m in models:
+                    merged.setdefault(m["id"], m)
+                learned[backend.name] = tuple(m["id"] for m in models)
+            self._learn_models(learned)
+            data = list(merged.values())
+            self._models_cache = (time.monotonic(), data)
+            return data
+
+    async def _backend_models(self, backend: Backend) -> list[dict[str, Any]] | None:
+        assert self._session is not None
+        try:
+            timeout = aiohttp.ClientTimeout(total=min(5.0, self.config.request_timeout_seconds))
+            async with self._session.get(f"{backend.url}/v1/models", headers={"Accept": "application/json"},
+                                         timeout=timeout) as resp:
+                if resp.status != 200:
+                    return None
+                doc = await resp.json(content_type=None)
+        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            log.debug("models of %s: %s", backend.name, exc)
+            return None
+        items = doc.get("data") if isinstance(doc, dict) else None
+        if not isinstance(items, list):
+            return None
+        return [m for m in items if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+    def _learn_models(self, learned: dict[str, tuple[str, ...]]) -> None:
+        """Backends configured without models route by what their ``/v1/models`` says."""
+        changed = False
+        backends = []
+        for b in self.balancer.backends:
+            models = learned.get(b.name)
+            if b.name not in self._fixed_models and models and models != b.models:
+                b = replace(b, models=models)
+                changed = True
+            backends.append(b)
+        if changed:
+            self.balancer.set_backends(backends)
+
+    async def _models_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.models(max_age=0.0)
+            except Exception:  # noqa: BLE001 - model discovery is best effort; routing goes on without it
+                log.exception("refreshing backend models failed")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), 30.0)
+
+
+def _response_headers(upstream: aiohttp.ClientResponse, backend: Backend, route: str) -> list[tuple[str, str]]:
+    out = forward_headers(upstream.headers.items())
+    out.append((BACKEND_HEADER, backend.name))
+    out.append((ROUTE_HEADER, route))
+    return out
+
+
+def _abort_client(request: web.Request) -> None:
+    """End the client's connection without a clean end of body, so a truncated stream reads as one."""
+    transport = request.transport
+    if transport is not None:
+        transport.close()
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"object": "error", "type": kind, "code": status, "message": message}, status=status)
+
+
+async def _read_capped(stream: Any, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        chunk = await stream.readany()
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)[:limit]
