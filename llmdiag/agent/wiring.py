@@ -10,11 +10,13 @@ as an ``unavailable`` collector status instead of failing.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 from llmdiag.collectors.base import Collector, GuardedCollector
 from llmdiag.collectors.discovery import discover_engines, local_backend_pids
 from llmdiag.collectors.gpu import build_gpu_collector
+from llmdiag.collectors.kube import PodMetadataReader
 from llmdiag.collectors.procfs import build_proc_collector
 from llmdiag.config import Config
 from llmdiag.model import Backend, CollectorState, CollectorStatus
@@ -93,8 +95,18 @@ def _timewait_factory(config: Config, backends: list[Backend]) -> Collector:
     return build_timewait_collector(config, backends)
 
 
+#: Kubernetes labels (pod, namespace, container, node, pod_uid, container_id) of local backend
+#: processes, read from /proc with no API server; NODE_NAME is the DaemonSet's downward-API node name.
+_POD_METADATA = PodMetadataReader(node_name=os.environ.get("NODE_NAME"))
+
+
 def resolve_backends(config: Config) -> list[Backend]:
-    """Configured backends (``[[backends]]`` or ``--backend``), else engines discovered on local ports."""
+    """Configured backends (``[[backends]]`` or ``--backend``), else engines discovered on local ports,
+    each labelled with its Kubernetes pod metadata when its process runs in a pod on this node."""
+    return _POD_METADATA.label_backends(_find_backends(config))
+
+
+def _find_backends(config: Config) -> list[Backend]:
     backends = config.backend_list()
     if backends:
         # `--backend http://127.0.0.1:8000` carries no pid: find the local process listening
