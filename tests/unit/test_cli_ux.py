@@ -80,7 +80,7 @@ def _documented_commands() -> list[tuple[str, str]]:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")  # noqa: SLF001
     texts = {f"{name} --help": p.format_help() for name, p in sub.choices.items()}  # type: ignore[union-attr]
-    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
         text = doc.read_text(encoding="utf-8")
         blocks = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)
         # Inline spans only when they carry options: a bare `llmdiag top` names a command (maybe a planned one).
