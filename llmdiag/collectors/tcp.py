@@ -23,6 +23,11 @@ last tick, else the last sample). Extra: ``tcp_send_blocked_seconds_total``
 health counters ``bpf_map_full_total{program=tcp_health}``,
 ``tcp_sock_common_mismatch_total``.
 
+llmdiag's own connections (the engine collector's scrapes; see
+:mod:`llmdiag.collectors.own_sockets`) are never counted: their ``(local port,
+remote port)`` pairs go into the BPF ``own_conns`` map before they connect, and
+the program leaves them out from either end.
+
 Counters are ``_total`` since the program was loaded (cumulative map reads).
 ``tcp_connections_active`` is the count from a sock_diag dump at start plus
 the BPF delta since: connections opened before the agent are counted.
@@ -50,6 +55,7 @@ from typing import Any
 from llmdiag.bpf import features
 from llmdiag.bpf.loader import BPFUnavailable, Program
 from llmdiag.collectors.histogram import histogram_quantile
+from llmdiag.collectors.own_sockets import OWN_PORTS, OwnPorts, Pair
 from llmdiag.collectors.sockdiag import SockDiagError, format_endpoint, iter_tcp
 from llmdiag.config.tcp import TcpConfig
 from llmdiag.model import Backend, CollectorState, CollectorStatus, Distribution, Labelled, Sample, Scope
@@ -172,8 +178,11 @@ class TcpCollector:
         program_factory: ProgramFactory | None = None,
         clock: Callable[[], float] = time.monotonic,
         pid_finder: Callable[[set[int]], set[int]] = _find_listener_pids,
+        own_connections: OwnPorts = OWN_PORTS,
     ) -> None:
         self.config = config or TcpConfig()
+        self.own_connections = own_connections
+        self._unsubscribe_own: Callable[[], None] | None = None
         self.backends = list(backends)
         self.clock = clock
         self.pid_finder = pid_finder
@@ -233,20 +242,40 @@ class TcpCollector:
                 program.close()
             return
         self.program = program
+        self._unsubscribe_own = self.own_connections.subscribe(self._own_connection_changed)
         _calibrate()
         self._hist_history.append((self.clock(), {}))  # the window starts empty at load
         self._baseline = self._established_now()
         self._refresh_pids(self.clock())
 
+    def _own_connection_changed(self, pair: Pair, added: bool) -> None:
+        """Keep the BPF ``own_conns`` map in step with llmdiag's own connections (called from
+        the thread that opens one, before it connects)."""
+        program = self.program
+        if program is None or program.closed:
+            return
+        try:
+            table = program.table("own_conns")
+            key = table.Key((pair[0] << 16) | pair[1])
+            if added:
+                table[key] = table.Leaf(1)
+            else:
+                del table[key]
+        except Exception as exc:  # noqa: BLE001 - a full map or a closed program: the scrape is merely counted
+            log.debug("own_conns update for %s failed: %s", pair, exc)
+
     def _established_now(self) -> dict[tuple[int, str], int]:
         """ESTABLISHED connections per subject key at start (sock_diag), the base of the active gauge."""
         counts: dict[tuple[int, str], int] = {}
+        own = self.own_connections.pairs()
         try:
             for _state, lport, remote in iter_tcp(("ESTABLISHED",)):
+                rport = int(remote.rsplit(":", 1)[1])
+                if (lport, rport) in own or (rport, lport) in own:
+                    continue  # llmdiag's own scrape
                 if lport in self.server_ports:
                     key = (SIDE_SERVER, str(lport))
                 else:
-                    rport = int(remote.rsplit(":", 1)[1])
                     if rport not in self.client_ports:
                         continue
                     key = (SIDE_CLIENT, remote)
@@ -334,6 +363,7 @@ class TcpCollector:
     def collect(self, now: float) -> list[Sample]:
         if self.program is None:
             return []
+        self.own_connections.pairs()  # forgets closed connections past their linger (and drops them from the map)
         self._tick_problems = []
         tick = self.clock()
         self._refresh_pids(tick)
@@ -440,6 +470,9 @@ class TcpCollector:
         return CollectorStatus(CollectorState.OK, f"sends via {self.send_path}", self._last_ok_ts)
 
     def close(self) -> None:
+        if self._unsubscribe_own is not None:
+            self._unsubscribe_own()
+            self._unsubscribe_own = None
         if self.program is not None:
             self.program.close()
 
