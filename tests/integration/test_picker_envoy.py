@@ -297,7 +297,8 @@ def test_node_agent_penalties_steer_picks(fleet, tmp_path):
 
     class Agent(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's naming
-            reason = Reason("queue_avalanche", Severity.CRITICAL, 0.95, "waiting queue grows")
+            # A kind the balancer cannot see for itself (self_observed_kinds are divided out of the score).
+            reason = Reason("gpu_memory_pressure", Severity.CRITICAL, 0.95, "allocation failures at 98 % memory")
             entry = BackendPenalty("vllm-a", address_a, 5.0, 0.95, 5, BackendState.DEGRADED, (reason,))
             body = PenaltiesDocument(ts=time.time(), host="node-a", ttl_seconds=5, backends=(entry,)).dumps().encode()
             self.send_response(200)
