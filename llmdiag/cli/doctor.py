@@ -25,6 +25,7 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmdiag.bpf import features
@@ -109,7 +110,28 @@ def _btf() -> Check:
                  "" if probe else "fentry/CO-RE upgrades need BTF; the tracepoint collectors do not")
 
 
+def _tracefs_denied(sys_root: str = "/sys") -> str | None:
+    """The tracefs ``events`` directory this user may not read (tracefs is 0700 root), or None.
+
+    The feature probes read a denied tracefs as "absent"; doctor must say "needs root"
+    instead, or a non-root user is told the kernel lacks what it has."""
+    for rel in ("kernel/tracing", "kernel/debug/tracing"):
+        events = Path(sys_root) / rel / "events"
+        try:
+            events.is_dir()
+        except PermissionError:
+            return str(events)
+    return None
+
+
+def _needs_root(name: str, denied: str) -> Check:
+    return Check(name, UNAVAILABLE, f"needs root/CAP_BPF: permission denied ({denied})", _NEEDS_ROOT_HINT)
+
+
 def _tracefs() -> Check:
+    denied = _tracefs_denied()
+    if denied:
+        return _needs_root("tracefs", denied)
     root, what = features.ensure_tracefs()
     return Check("tracefs", OK if root else UNAVAILABLE, what,
                  "" if root else "mount -t tracefs tracefs /sys/kernel/tracing (needs root)")
@@ -120,6 +142,9 @@ def _attach_check(need: AttachNeed) -> Check:
     name = f"{need.kind}:{need.target}"
     what = f"({need.collector}: {need.purpose or need.kind})"
     optional = not need.required and need.kind in _OPTIONAL_KINDS
+    denied = _tracefs_denied()
+    if denied and need.kind != "raw_tracepoint":  # these are looked up in tracefs
+        return replace(_needs_root(name, denied), optional=optional)
     present = need.present()
     if present is None:  # a raw tracepoint needs bcc to probe it: the collector says at start-up
         return Check(name, DEGRADED, f"not probed here {what}",
@@ -143,6 +168,9 @@ def _attach_points() -> list[Check]:
 
 def _kprobes() -> Check:
     probe = features.kprobes_supported()
+    denied = _tracefs_denied()
+    if not probe and denied:  # no kprobe PMU, and kprobe_events could not be looked for
+        return replace(_needs_root("kprobe", denied), optional=True)
     return Check("kprobe", OK if probe else UNAVAILABLE, probe.detail,
                  "" if probe else "not needed here: the collectors attach to tracepoints first")
 
@@ -157,6 +185,9 @@ def _fentry(bcc_ok: bool) -> Check:
 
 def _uprobes() -> Check:
     probe = features.uprobes_supported()
+    denied = _tracefs_denied()
+    if not probe and denied:
+        return _needs_root("uprobe", denied)
     return Check("uprobe", OK if probe else UNAVAILABLE, probe.detail,
                  "" if probe else "the CUDA allocation tracer needs CONFIG_UPROBE_EVENTS")
 
