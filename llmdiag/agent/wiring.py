@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from llmdiag.collectors.base import Collector, GuardedCollector
+from llmdiag.collectors.base import Collector, CollectorUsageError, GuardedCollector
 from llmdiag.collectors.discovery import discover_engines, local_backend_pids
 from llmdiag.collectors.gpu import build_gpu_collector
 from llmdiag.collectors.kube import PodMetadataReader
@@ -158,6 +158,8 @@ def build_collectors(
                 running.append(GuardedCollector(COLLECTOR_FACTORIES[name](config, backends)))
             except CollectorUnavailable as exc:
                 unavailable[name] = CollectorStatus(CollectorState.UNAVAILABLE, str(exc))
+            except CollectorUsageError:
+                raise  # the user's input is wrong (--nvml-replay FILE): the command exits 64 naming it
             except Exception as exc:  # noqa: BLE001 - one broken collector must not stop the agent
                 log.warning("collector %s failed to start: %s", name, exc)
                 unavailable[name] = CollectorStatus(CollectorState.UNAVAILABLE, f"failed to start: {type(exc).__name__}: {exc}")
