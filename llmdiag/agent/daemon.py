@@ -39,7 +39,8 @@ from llmdiag.agent.agent_check import AgentCheckServer
 from llmdiag.agent.loop import AgentLoop, AgentState
 from llmdiag.agent.probes import AgentProber
 from llmdiag.agent.wiring import COLLECTOR_FACTORIES, build_collectors, resolve_backends
-from llmdiag.collectors.base import GuardedCollector, collect_snapshot
+from llmdiag.agent.ticker import collect_concurrently
+from llmdiag.collectors.base import GuardedCollector
 from llmdiag.config import Config
 from llmdiag.config.agent import split_address
 from llmdiag.exporters.prometheus import TICK_BUCKETS, AgentTelemetry, BackendInfo, StateCollector
@@ -89,6 +90,9 @@ class Agent:
         self._resets: dict[str, float] = {}
         self.collectors_closed = threading.Event()
         self._runner: Any = None
+        self._collect_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        #: Seconds each collector took in the last tick (benchmarks, debugging).
+        self.collector_seconds: dict[str, float] = {}
 
     # -- reading (any thread) ---------------------------------------------------------
     @property
@@ -148,6 +152,8 @@ class Agent:
         self._collectors = collectors
         interval = self.config.agent.interval_seconds
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmdiag-discovery")
+        self._collect_pool = concurrent.futures.ThreadPoolExecutor(max(1, len(collectors)),
+                                                                   thread_name_prefix="llmdiag-collect")
         pending: concurrent.futures.Future[list[Backend]] | None = None
         next_refresh = time.monotonic() + self.config.agent.discover_interval_seconds
         try:
@@ -169,14 +175,17 @@ class Agent:
                 self._stop.wait(max(0.0, next_tick - time.monotonic()))
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+            self._collect_pool.shutdown(wait=True)
             for c in self._collectors:
                 c.close()
             self.collectors_closed.set()
 
     def _tick(self, unavailable: Mapping[str, CollectorStatus]) -> None:
         started = time.perf_counter()
+        assert self._collect_pool is not None
         try:
-            snap = collect_snapshot(self._collectors, self.clock(), self.hostname)
+            snap, self.collector_seconds = collect_concurrently(self._collectors, self.clock(), self.hostname,
+                                                                self._collect_pool)
             snap.collectors.update(unavailable)
             collect_seconds = time.perf_counter() - started
             state = self.loop.observe(snap, collect_seconds)
@@ -199,7 +208,7 @@ class Agent:
             ticks_total=old.ticks_total + 1, ticks_missed_total=old.ticks_missed_total, tick_bucket_counts=counts,
             tick_seconds_sum=old.tick_seconds_sum + elapsed, last_tick_timestamp=snap.ts, backends=old.backends,
             diagnoses_opened=dict(self._opened), bpf_lost_events=lost, bpf_run_time_seconds=run_time,
-            bpf_run_count=run_count,
+            bpf_run_count=run_count, collector_seconds=dict(self.collector_seconds),
         )
         self._last_tick_mono = time.monotonic()
 

@@ -90,6 +90,7 @@ class AgentTelemetry:
     bpf_run_count: Mapping[str, int] = field(default_factory=dict)  # program -> runs
     agent_check_requests: Mapping[str, int] = field(default_factory=dict)  # result -> count
     agent_check_unknown_server_total: int = 0
+    collector_seconds: Mapping[str, float] = field(default_factory=dict)  # collector -> last tick's seconds
 
 
 def _number(value: Any) -> float | None:
@@ -259,7 +260,11 @@ class StateCollector(Collector):
             run_time.add_metric([prog], seconds)
         for prog, n in sorted(tel.bpf_run_count.items()):
             run_count.add_metric([prog], n)
-        for fam in (up, status, errors, lost, run_time, run_count):
+        duration = GaugeMetricFamily("llmdiag_collector_duration_seconds", "Seconds the collector took in the last tick",
+                                     labels=["collector"])
+        for name, seconds in sorted(tel.collector_seconds.items()):
+            duration.add_metric([name], seconds)
+        for fam in (up, status, errors, lost, run_time, run_count, duration):
             out.by_name[fam.name] = fam
 
     @staticmethod
