@@ -9,7 +9,8 @@ proc, tcp, timewait, http2, cuda; gpu is unavailable without NVML) watching all 
 a user runs it. After the BPF programs are attached and 5 s of warm-up, for ``--seconds``:
 
 * CPU: the agent process's utime + stime (``/proc/PID/stat``) over wall time, in % of one core;
-* RSS: ``VmRSS`` at the end and ``VmHWM`` (peak) from ``/proc/PID/status``;
+* RSS: ``VmRSS`` at the end and ``VmHWM`` (peak) from ``/proc/PID/status``, split into ``RssAnon``
+  (the agent's own memory) and ``RssFile`` (mapped libraries: bcc's LLVM when BPF runs);
 * tick duration (collection + analysis): the agent's own ``llmdiag_tick_duration_seconds``
   histogram over the window (mean, share of ticks <= 50 ms, the bucket holding p99), and
   ``llmdiag_ticks_missed_total``; each collector's median ``llmdiag_collector_duration_seconds``
@@ -115,6 +116,7 @@ def main() -> int:
                         per_collector.setdefault(key[len("collector="):], []).append(value)
             h1, c1, t1 = histogram(agent.url), cpu_seconds(pid), time.monotonic()
             rss, hwm = status_kib(pid, "VmRSS"), status_kib(pid, "VmHWM")
+            anon, file_backed = status_kib(pid, "RssAnon"), status_kib(pid, "RssFile")
         finally:
             stop_load.set()
             code, log, took = agent.stop()
@@ -129,6 +131,8 @@ def main() -> int:
         "cpu_percent_of_one_core": round(100 * (c1 - c0) / (t1 - t0), 2),
         "rss_mib": round(rss / 1024, 1),
         "peak_rss_mib": round(hwm / 1024, 1),
+        "rss_anon_mib": round(anon / 1024, 1),  # the agent's own heap
+        "rss_file_mib": round(file_backed / 1024, 1),  # mapped libraries (bcc's LLVM when BPF is on), shared
         "ticks": int(count),
         "tick_mean_ms": round(1000 * (h1["llmdiag_tick_duration_seconds_sum"] - h0["llmdiag_tick_duration_seconds_sum"])
                               / max(count, 1), 2),

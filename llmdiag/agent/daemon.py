@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import math
 import signal
@@ -76,7 +77,6 @@ class Agent:
         self.http_address: tuple[str, int] | None = None
         self.agent_check_address: tuple[str, int] | None = None
         self._telemetry = AgentTelemetry(backends=self._backend_info())
-        self._tick_lock = threading.Lock()
         self._opened: dict[tuple[str, str], int] = {}
         self._started = time.monotonic()
         self._last_tick_mono: float | None = None
@@ -85,8 +85,8 @@ class Agent:
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._tick_thread, name="llmdiag-ticks", daemon=True)
         self._collectors: list[GuardedCollector] = []
-        self._entries_cache: tuple[int, dict[str, BackendPenalty]] = (-1, {})
-        self._http_counts: dict[str, int] = {}
+        self._entries_cache: tuple[AgentState | None, dict[str, BackendPenalty]] = (None, {})
+        self._unauthorized = 0
         self._resets: dict[str, float] = {}
         self.collectors_closed = threading.Event()
         self._runner: Any = None
@@ -116,24 +116,25 @@ class Agent:
             return False, f"tick loop stuck: last tick {age:.1f} s ago (limit {stale:g} s)"
         return True, f"ok: last tick {age:.2f} s ago, {self.state.ticks} ticks"
 
-    def count_http(self, result: str) -> None:
-        self._http_counts[result] = self._http_counts.get(result, 0) + 1
+    def count_unauthorized(self) -> None:
+        """An HTTP request without the right token (asyncio thread only)."""
+        self._unauthorized += 1
 
     def _entries(self) -> Mapping[str, BackendPenalty]:
+        """The latest state's backends as penalties entries, rebuilt once per state (agent-check)."""
         state = self.loop.state
-        key, entries = self._entries_cache
-        if key != id(state):
+        cached, entries = self._entries_cache
+        if cached is not state:
             entries = {name: b.as_penalty() for name, b in state.backends.items()}
-            self._entries_cache = (id(state), entries)
+            self._entries_cache = (state, entries)
         return entries
 
     def _metrics_source(self) -> tuple[AgentState, AgentTelemetry]:
         state, tel = self.loop.state, self._telemetry
+        extra: dict[str, Any] = {"http_unauthorized_total": self._unauthorized}
         if self.agent_check is not None:
-            requests, unknown = self.agent_check.counters()
-            tel = AgentTelemetry(**{**tel.__dict__, "agent_check_requests": requests,
-                                    "agent_check_unknown_server_total": unknown})
-        return state, tel
+            extra["agent_check_requests"], extra["agent_check_unknown_server_total"] = self.agent_check.counters()
+        return state, dataclasses.replace(tel, **extra)
 
     def _backend_info(self) -> tuple[BackendInfo, ...]:
         return tuple(BackendInfo(b.name, b.address, b.engine or "", b.labels.get("pod", ""), b.labels.get("namespace", ""),
@@ -213,8 +214,7 @@ class Agent:
         self._last_tick_mono = time.monotonic()
 
     def _count_missed(self, n: int) -> None:
-        old = self._telemetry
-        self._telemetry = AgentTelemetry(**{**old.__dict__, "ticks_missed_total": old.ticks_missed_total + n})
+        self._telemetry = dataclasses.replace(self._telemetry, ticks_missed_total=self._telemetry.ticks_missed_total + n)
 
     def _notice_resets(self, snap: Snapshot) -> None:
         """An engine whose counters went down restarted: its score ramps up again."""
@@ -255,7 +255,7 @@ class Agent:
                 setter(self.backends)
             elif c.name == "engine" and (added or moved):
                 self._replace_collector(c)
-        self._telemetry = AgentTelemetry(**{**self._telemetry.__dict__, "backends": self._backend_info()})
+        self._telemetry = dataclasses.replace(self._telemetry, backends=self._backend_info())
 
     def _replace_collector(self, old: GuardedCollector) -> None:
         """Rebuild a cheap collector for a new backend set (the BPF ones keep theirs: no recompiles)."""
