@@ -25,6 +25,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -42,6 +43,7 @@ from llmdiag.agent.probes import AgentProber
 from llmdiag.agent.wiring import COLLECTOR_FACTORIES, build_collectors, resolve_backends
 from llmdiag.agent.ticker import collect_concurrently
 from llmdiag.collectors.base import GuardedCollector
+from llmdiag.collectors.kube import PodMetadataReader
 from llmdiag.config import Config
 from llmdiag.config.agent import split_address
 from llmdiag.exporters.prometheus import TICK_BUCKETS, AgentTelemetry, BackendInfo, StateCollector
@@ -66,7 +68,9 @@ class Agent:
         self.token = token or None
         self.clock = clock
         self.hostname = config.agent.hostname or socket.gethostname()
-        self.backends = list(backends) if backends is not None else resolve_backends(config)
+        # One reader for the agent's life: it caches each pid's Kubernetes labels.
+        self._kube = PodMetadataReader(config.proc.proc_root, os.environ.get("NODE_NAME"))
+        self.backends = list(backends) if backends is not None else resolve_backends(config, self._kube)
         self.loop = AgentLoop(config, self.backends, clock=clock, keep_closed=config.agent.keep_closed_diagnoses)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StateCollector(self._metrics_source))
@@ -165,7 +169,7 @@ class Agent:
                     self._apply_backends(pending)
                     pending = None
                 if pending is None and time.monotonic() >= next_refresh:
-                    pending = pool.submit(resolve_backends, self.config)
+                    pending = pool.submit(resolve_backends, self.config, self._kube)
                     next_refresh = time.monotonic() + self.config.agent.discover_interval_seconds
                 next_tick += interval
                 late = time.monotonic() - next_tick

@@ -10,11 +10,13 @@ as an ``unavailable`` collector status instead of failing.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 from llmdiag.collectors.base import Collector, GuardedCollector
 from llmdiag.collectors.discovery import discover_engines, local_backend_pids
 from llmdiag.collectors.gpu import build_gpu_collector
+from llmdiag.collectors.kube import PodMetadataReader
 from llmdiag.collectors.procfs import build_proc_collector
 from llmdiag.config import Config
 from llmdiag.model import Backend, CollectorState, CollectorStatus
@@ -93,8 +95,10 @@ def _timewait_factory(config: Config, backends: list[Backend]) -> Collector:
     return build_timewait_collector(config, backends)
 
 
-def resolve_backends(config: Config) -> list[Backend]:
-    """Configured backends (``[[backends]]`` or ``--backend``), else engines discovered on local ports."""
+def resolve_backends(config: Config, kube: PodMetadataReader | None = None) -> list[Backend]:
+    """Configured backends (``[[backends]]`` or ``--backend``), else engines discovered on local ports;
+    each local one labelled with its Kubernetes pod, namespace, container and node (read from /proc,
+    :class:`~llmdiag.collectors.kube.PodMetadataReader`; labels from the config win)."""
     backends = config.backend_list()
     if backends:
         # `--backend http://127.0.0.1:8000` carries no pid: find the local process listening
@@ -104,14 +108,20 @@ def resolve_backends(config: Config) -> list[Backend]:
         except Exception as exc:  # noqa: BLE001 - best effort; collectors then see no pid
             log.warning("finding the processes of the configured backends failed: %s", exc)
             pids = {}
-        return [b.with_process(pids[b.name], b.gpus) if b.name in pids and not b.pid else b for b in backends]
-    if not config.agent.discover:
-        return []
+        backends = [b.with_process(pids[b.name], b.gpus) if b.name in pids and not b.pid else b for b in backends]
+    elif config.agent.discover:
+        try:
+            backends = list(discover_engines())
+        except Exception as exc:  # noqa: BLE001 - discovery is best effort
+            log.warning("engine discovery failed: %s", exc)
+            backends = []
+    if kube is None:
+        kube = PodMetadataReader(getattr(config.proc, "proc_root", "/proc"), os.environ.get("NODE_NAME"))
     try:
-        return list(discover_engines())
-    except Exception as exc:  # noqa: BLE001 - discovery is best effort
-        log.warning("engine discovery failed: %s", exc)
-        return []
+        return kube.label_backends(backends)
+    except Exception as exc:  # noqa: BLE001 - labels are a nicety; the backends stand without them
+        log.warning("reading the Kubernetes labels of the backends failed: %s", exc)
+        return backends
 
 
 def build_collectors(
