@@ -104,6 +104,11 @@ def _run(args: argparse.Namespace, config: Config) -> int:
     if args.duration is not None and not args.duration > 0:
         err.print("llmdiag bench sim: --duration must be > 0")
         return EX_USAGE
+    if args.plot:
+        problem = _unwritable_dir(Path(args.plot))
+        if problem:  # found now, not after the whole simulation has run
+            err.print(f"llmdiag bench sim: --plot {args.plot}: {problem}", markup=False, highlight=False)
+            return EX_USAGE
     try:
         sim_config = SimConfig(
             scrape_interval_s=args.scrape_interval,
@@ -217,3 +222,16 @@ def _print_table(console: Any, result: Any) -> None:
             str(failed),
         )
     console.print(table)
+
+
+def _unwritable_dir(path: Path) -> str | None:
+    """Why PNGs cannot be written into ``path`` (created if missing), or None when they can."""
+    import tempfile  # noqa: PLC0415
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        return f"cannot write there: {exc.strerror or exc}"
+    return None

@@ -51,7 +51,7 @@ def handle(args: argparse.Namespace, config: Config) -> int:
         print("llmdiag gateway: no backends: give --backend URL (repeatable) or [[backends]] in --config", file=sys.stderr)
         return EX_USAGE
     balancer = Balancer(backends, config.balancer)
-    gateway = Gateway(gw_config, balancer, access_log=access_logger(gw_config.access_log))
+    gateway = Gateway(gw_config, balancer, access_log=access_logger(gw_config.access_log), engine_config=config.engine)
 
     async def serve() -> None:
         await gateway.start()

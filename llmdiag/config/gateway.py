@@ -70,6 +70,10 @@ class GatewayConfig:
     probes: bool = True
     #: ``-`` = access log on stderr, "" = none, else a file path (appended to).
     access_log: str = "-"
+    #: Scrape each backend's own ``/metrics`` (queue, KV usage, TTFT) for the balancer every
+    #: ``engine_signals_seconds`` ([engine] settings apply); off for engines without Prometheus metrics.
+    engine_signals: bool = True
+    engine_signals_seconds: float = 1.0
     #: ``/v1/models`` answers are merged across backends and cached this long.
     models_cache_seconds: float = 10.0
 
@@ -85,7 +89,7 @@ class GatewayConfig:
                 raise ValueError(f"mirror_url: {self.mirror_url!r} is not an http(s)://host:port URL")
         for name in ("agent_poll_seconds", "agent_timeout_seconds", "connect_timeout_seconds",
                      "request_timeout_seconds", "idle_timeout_seconds", "keepalive_seconds",
-                     "chars_per_token", "models_cache_seconds"):
+                     "chars_per_token", "models_cache_seconds", "engine_signals_seconds"):
             _positive(name, getattr(self, name))
         for name in ("max_connections_per_backend", "max_request_bytes", "mirror_max_in_flight"):
             if getattr(self, name) < 1:

@@ -30,7 +30,7 @@ gateway does not open (and TIME_WAIT) a connection per request; the only
 connections it closes early are those of cancelled or failed requests.
 
 Background tasks: node agents' penalties (:mod:`llmdiag.router_feedback.agent_penalties`),
-active probes (what re-admits an ejected backend) and the backends' model
+the engines' own metrics (:mod:`llmdiag.gateway.engine_signals`), active probes (what re-admits an ejected backend) and the backends' model
 lists (backends configured without ``models`` learn them from ``/v1/models``).
 """
 
@@ -50,6 +50,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from llmdiag.config.engine import EngineConfig
 from llmdiag.config.gateway import GatewayConfig, split_listen
 from llmdiag.model import Backend
 from llmdiag.router_feedback.agent_penalties import AgentPenalties
@@ -58,6 +59,7 @@ from llmdiag.router_feedback.errors import CONNECT_ERROR, TIMEOUT, Classificatio
 from llmdiag.router_feedback.probes import AiohttpProbeClient, ProbeRunner
 from llmdiag.router_feedback.retry import RetryPolicy
 
+from llmdiag.gateway.engine_signals import EngineSignals
 from llmdiag.gateway.metrics import GatewayMetrics
 from llmdiag.gateway.mirror import Mirror
 from llmdiag.gateway.request import BadRequest, forward_headers, parse_request
@@ -113,7 +115,7 @@ class Gateway:
     """
 
     def __init__(self, config: GatewayConfig, balancer: Balancer, *, rng: Any = None,
-                 access_log: logging.Logger | None = None) -> None:
+                 access_log: logging.Logger | None = None, engine_config: EngineConfig | None = None) -> None:
         self.config = config
         self.balancer = balancer
         self._rng = rng if rng is not None else random.Random()
@@ -121,6 +123,8 @@ class Gateway:
         self._access = access_log
         self.agents = (AgentPenalties(config.agents, token=config.agent_token or None, interval=config.agent_poll_seconds,
                                       timeout=config.agent_timeout_seconds) if config.agents else None)
+        self.engine_signals = (EngineSignals(balancer, engine_config, config.engine_signals_seconds)
+                               if config.engine_signals else None)
         self.metrics = GatewayMetrics(balancer, self.agents, extra=self._extra_counters)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -169,6 +173,8 @@ class Gateway:
         self._stop.clear()
         if self.agents is not None:
             self._tasks.append(asyncio.create_task(self.agents.run(self._session, self.balancer, self._stop)))
+        if self.engine_signals is not None:
+            self._tasks.append(asyncio.create_task(self.engine_signals.run(self._stop)))
         if cfg.probes:
             self._probes = ProbeRunner(self.balancer, AiohttpProbeClient(self.balancer.config.probe_prompt, session=self._session))
             self._probes.start()
@@ -201,7 +207,7 @@ class Gateway:
 
     def _extra_counters(self) -> dict[str, float]:
         probes = self._probes
-        return {"probes": probes.probes_total if probes else 0, "probe_failures": probes.probe_failures_total if probes else 0}
+        return {"engine_signal_rounds": self.engine_signals.rounds_total if self.engine_signals else 0,"probes": probes.probes_total if probes else 0, "probe_failures": probes.probe_failures_total if probes else 0}
 
     # ---------------------------------------------------------------- handlers
 
@@ -390,14 +396,14 @@ class Gateway:
     async def _pass_failure(self, request: web.Request, failure: _Failure, started: float, attempts: int,
                             reason: str) -> web.StreamResponse:
         status = failure.status if isinstance(failure.status, int) else (504 if failure.status == TIMEOUT else 502)
-        if failure.body or isinstance(failure.status, int):
+        if failure.body:  # the backend's own answer, as it sent it
             resp = web.Response(status=status, body=failure.body)
             for k, v in failure.headers:
-                if k.lower() != "content-encoding" or failure.body:
-                    resp.headers.add(k, v)
+                resp.headers.add(k, v)
         else:
-            what = "timed out" if failure.status == TIMEOUT else "could not be reached"
-            resp = _error(status, f"backend {failure.backend.name} {what}", "upstream_" + str(failure.status))
+            what = {TIMEOUT: "timed out", CONNECT_ERROR: "could not be reached"}.get(
+                failure.status if isinstance(failure.status, str) else "", f"answered {status} without a body")
+            resp = _error(status, f"backend {failure.backend.name} {what}", "upstream_error")
         resp.headers[BACKEND_HEADER] = failure.backend.name
         resp.headers[ROUTE_HEADER] = f"attempt={attempts}"
         cls = failure.classification.response_class.value

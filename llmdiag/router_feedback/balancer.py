@@ -59,7 +59,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from llmdiag.config.balancer import BalancerConfig
-from llmdiag.model import Backend, BackendPenalty, BackendState, Diagnosis, PenaltiesDocument, Reason
+from llmdiag.model import Backend, BackendPenalty, BackendState, Diagnosis, Reason
 from llmdiag.router_feedback.breaker import BreakerState
 from llmdiag.router_feedback.errors import Classification, ErrorClassifier, ResponseClass
 from llmdiag.router_feedback.health import Health, HealthRules
@@ -451,11 +451,6 @@ class Balancer:
             if now >= self._table.expires_at:
                 self._rebuild(now)
             return backend_penalties(self._slots, self._health, self._rules.state_of, self._weights, self.config, now)
-
-    def penalties_document(self, host: str, ttl_seconds: float = 5, ts: float | None = None) -> PenaltiesDocument:
-        """The ``llmdiag.penalties/v1`` document (``ts`` defaults to the wall clock)."""
-        return PenaltiesDocument(ts=time.time() if ts is None else ts, host=host, ttl_seconds=ttl_seconds,
-                                 backends=tuple(self.snapshot_states()))
 
     def probe_targets(self) -> list[tuple[Backend, BreakerState]]:
         """Backends with their circuit state, for the active prober."""

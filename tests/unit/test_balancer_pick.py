@@ -34,59 +34,65 @@ def scored(scores: list[float], config: BalancerConfig | None = None, rng=None) 
 
 
 def test_exact_p2c_picks_under_a_scripted_rng() -> None:
-    balancer, clock = scored([100.0, 75.0, 87.5, 95.0], P2C)
+    rng = ScriptedRandom()
+    balancer, clock = scored([100.0, 75.0, 87.5, 95.0], P2C, rng=rng)
     # i = int(r1 * n); j = int(r2 * (n - 1)), shifted past i: two distinct indices from two draws.
-    balancer._rng = ScriptedRandom([0.1, 0.4, 0.3, 0.0, 0.55, 0.99, 0.3, 0.7])  # noqa: SLF001
+    rng.script([0.1, 0.4, 0.3, 0.0, 0.55, 0.99, 0.3, 0.7])
     assert balancer.pick("m", 0).name == "b0"  # b0 (100) vs b2 (87.5)
     assert balancer.pick("m", 0).name == "b0"  # b1 (75) vs b0 (100 / (1 + 0.1 * 1) = 90.9)
     assert balancer.pick("m", 0).name == "b3"  # b2 (87.5) vs b3 (95)
     assert balancer.pick("m", 0).name == "b3"  # b1 (75) vs b3 (95 / 1.1 = 86.4)
-    assert balancer._rng.calls == 8  # noqa: SLF001 - O(d): two draws per pick, no scan
+    assert rng.calls == 8  # O(d): two draws per pick, no scan
     assert balancer.load("b0") == 2 and balancer.load("b3") == 2
 
 
 def test_exact_tie_breaks_under_a_scripted_rng() -> None:
     # Three equal backends: the d = 2 path breaks a tie with one more draw, as every path does
     # (reservoir sampling: the second tied candidate wins when random() * 2 < 1).
-    balancer, clock = scored([100.0, 100.0, 100.0], config=BalancerConfig(full_scan_up_to=0, choices=2, in_flight_penalty=0.0))
-    balancer._rng = ScriptedRandom([0.0, 0.0, 0.2, 0.0, 0.0, 0.7])  # noqa: SLF001
+    rng = ScriptedRandom()
+    balancer, clock = scored([100.0, 100.0, 100.0], config=BalancerConfig(full_scan_up_to=0, choices=2, in_flight_penalty=0.0), rng=rng)
+    rng.script([0.0, 0.0, 0.2, 0.0, 0.0, 0.7])
     assert balancer.pick("m", 0).name == "b1"
     assert balancer.pick("m", 0).name == "b0"
     # Two backends and d = 2 distinct is a full scan: the second tied candidate wins when random() * 2 < 1.
-    balancer, clock = scored([100.0, 100.0], config=BalancerConfig(full_scan_up_to=0, choices=2, in_flight_penalty=0.0))
-    balancer._rng = ScriptedRandom([0.3, 0.7])  # noqa: SLF001
+    rng = ScriptedRandom()
+    balancer, clock = scored([100.0, 100.0], config=BalancerConfig(full_scan_up_to=0, choices=2, in_flight_penalty=0.0), rng=rng)
+    rng.script([0.3, 0.7])
     assert balancer.pick("m", 0).name == "b1"
     assert balancer.pick("m", 0).name == "b0"
 
 
 def test_pick_samples_o_of_d_at_a_thousand_backends() -> None:
-    balancer, clock = make(1000, config=P2C)
+    rng = ScriptedRandom()
+    balancer, clock = make(1000, config=P2C, rng=rng)
     set_score(balancer, "b249", 30.0)
-    balancer._rng = ScriptedRandom([0.5, 0.25])  # noqa: SLF001 - indices 500 and int(0.25 * 999) = 249
+    rng.script([0.5, 0.25])  # indices 500 and int(0.25 * 999) = 249
     assert balancer.pick("m", 100).name == "b500"
-    assert balancer._rng.calls == 2  # noqa: SLF001
+    assert rng.calls == 2
 
 
 def test_default_d_draws_four_distinct_backends_at_a_thousand() -> None:
-    balancer, clock = make(1000)
+    rng = ScriptedRandom()
+    balancer, clock = make(1000, rng=rng)
     assert balancer.config.choices == 4
     set_score(balancer, "b100", 30.0)
     set_score(balancer, "b300", 6.0)  # 95 points
     set_score(balancer, "b900", 15.0)  # 87.5 points
     # Indices 100, 100 again (rejected: distinct), 700, 300, 900: five draws, four candidates.
-    balancer._rng = ScriptedRandom([0.1, 0.1, 0.7, 0.3, 0.9])  # noqa: SLF001
+    rng.script([0.1, 0.1, 0.7, 0.3, 0.9])
     assert balancer.pick("m", 100).name == "b700"
-    assert balancer._rng.calls == 5  # noqa: SLF001 - O(d), no scan
+    assert rng.calls == 5  # O(d), no scan
     # Four of five (d > n / 2): partial Fisher-Yates, exactly d draws; the worst never wins
     # (load held out with in_flight_penalty = 0), since at least three others are always drawn.
-    balancer, clock = make(5, config=BalancerConfig(full_scan_up_to=0, in_flight_penalty=0.0), rng=random.Random(7))
+    rng = ScriptedRandom(fallback=random.Random(7))
+    balancer, clock = make(5, config=BalancerConfig(full_scan_up_to=0, in_flight_penalty=0.0), rng=rng)
     set_score(balancer, "b2", 30.0)
     assert Counter(balancer.pick("m", 0).name for _ in range(2000))["b2"] == 0
     set_score(balancer, "b1", 6.0)  # 95 points
     set_score(balancer, "b3", 15.0)  # 87.5 points: b0..b3 drawn, b0 (100) wins without a tie-break draw
-    balancer._rng = ScriptedRandom([0.0, 0.0, 0.0, 0.0])  # noqa: SLF001
+    rng.script([0.0, 0.0, 0.0, 0.0])
     assert balancer.pick("m", 0).name == "b0"
-    assert balancer._rng.calls == 4  # noqa: SLF001
+    assert rng.calls == 4
 
 
 # ---------------------------------------------------- selection probabilities
@@ -310,19 +316,20 @@ def test_small_pools_are_scanned_in_full_when_configured() -> None:
     # full_scan_up_to = 8: a pool of 5 is scanned (no draw without a tie, the best always wins); a pool of
     # 20 is sampled (d = 4 distinct: four draws).
     cfg = BalancerConfig(full_scan_up_to=8, in_flight_penalty=0.0)
-    balancer, clock = make(5, config=cfg)
+    rng = ScriptedRandom([])  # any draw would fail
+    balancer, clock = make(5, config=cfg, rng=rng)
     set_score(balancer, "b3", 0.0)
     for name, waiting in (("b0", 6.0), ("b1", 12.0), ("b2", 15.0), ("b4", 30.0)):
         set_score(balancer, name, waiting)  # 95, 90, 87.5, 75 points: b3 (100) is the best, no ties
-    balancer._rng = ScriptedRandom([])  # noqa: SLF001 - any draw would fail
     assert balancer.pick("m", 0).name == "b3"
-    balancer, clock = make(20, config=cfg)
+    rng = ScriptedRandom()
+    balancer, clock = make(20, config=cfg, rng=rng)
     set_score(balancer, "b0", 6.0)  # indices 0, 2, 4, 6 are drawn; b0 (95) is the one below 100
     set_score(balancer, "b2", 30.0)
     set_score(balancer, "b4", 15.0)
     set_score(balancer, "b6", 12.0)
-    balancer._rng = ScriptedRandom([0.0, 0.1, 0.2, 0.3])  # noqa: SLF001
+    rng.script([0.0, 0.1, 0.2, 0.3])
     assert balancer.pick("m", 0).name == "b0"
-    assert balancer._rng.calls == 4  # noqa: SLF001
+    assert rng.calls == 4
     with pytest.raises(ValueError, match="full_scan_up_to"):
         BalancerConfig(full_scan_up_to=-1)

@@ -9,6 +9,7 @@ import pytest
 
 from llmdiag.config import Config
 from llmdiag.config.balancer import BalancerConfig, WeightsConfig
+from llmdiag.exporters.penalties import penalties_document
 from llmdiag.model import BackendState, Diagnosis, Evidence, PenaltiesDocument, Reason, Severity
 from llmdiag.router_feedback.errors import Classification, ResponseClass
 from llmdiag.router_feedback.retry import RetryPolicy
@@ -57,7 +58,7 @@ def test_snapshot_states_are_penalty_entries() -> None:
     assert states["b1"].reasons == (Reason("gpu_memory_pressure", Severity.WARNING, 0.31, "GPU memory 98 % used, allocator retrying"),)
     assert states["b2"].state is BackendState.COOLING
     assert states["b2"].reasons[-1].kind == "cooling"
-    doc = balancer.penalties_document("gpu-node-7", ts=1733140000.0)
+    doc = penalties_document(1733140000.0, "gpu-node-7", balancer_states=balancer.snapshot_states())
     parsed = PenaltiesDocument.from_json(json.loads(doc.dumps()))
     assert [b.name for b in parsed.backends] == ["b0", "b1", "b2"]
     clock.advance(1.0)
