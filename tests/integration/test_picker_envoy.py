@@ -51,7 +51,8 @@ class Fleet:
         self.engines["dead"] = free_port()  # nothing listens there: connections are refused
         models = {"a": MODEL, "b": MODEL, "bad": "bad/model", "stall": "stall/model", "dead": "bad/model"}
         config = tmp / "picker.toml"
-        config.write_text("[picker]\nmax_body_bytes = 65536\n" + "".join(
+        # No active probes here: they are real completions, and these tests count each engine's requests.
+        config.write_text("[picker]\nmax_body_bytes = 65536\nprobes = false\n" + "".join(
             f'[[backends]]\nname = "{n}"\nurl = "http://127.0.0.1:{p}"\nmodels = ["{models[n]}"]\n'
             for n, p in self.engines.items()))
         self.config = config
@@ -355,7 +356,10 @@ def test_model_header_fast_path_routes_with_the_body_intact(fleet):
 def test_discovered_backends_are_routed(fleet, tmp_path):
     """``--discover HOST:PORT`` with no configured backend: the address it resolves to gets the traffic."""
     grpc_port, metrics_port = free_port(), free_port()
-    picker = start_picker(tmp_path, [], grpc_port, metrics_port, "--discover", fleet.address("b"), name="picker-dns")
+    config = tmp_path / "dns.toml"
+    config.write_text("[picker]\nprobes = false\n")  # the test counts the engine's requests
+    picker = start_picker(tmp_path, [], grpc_port, metrics_port, "--discover", fleet.address("b"), config=config,
+                          name="picker-dns")
     envoy, listen, _ = start_envoy(tmp_path, "picker", picker_port=grpc_port, name="envoy-dns")
     try:
         assert json.loads(request("GET", f"http://127.0.0.1:{metrics_port}/healthz")[2])["backends"] == [fleet.address("b")]
@@ -391,4 +395,27 @@ def test_tls_between_envoy_and_the_picker(fleet, tmp_path):
     finally:
         tls.stop()
         plain.stop()
+        picker.stop()
+
+
+def test_active_probes_reach_the_engines(fleet, tmp_path):
+    """``[picker] probes``: a 1-token completion per backend, independent of traffic (none is sent here)."""
+    config = tmp_path / "probes.toml"
+    config.write_text("[balancer]\nprobe_interval_seconds = 0.5\n")
+    before = fleet.engine_successes("a")
+    grpc_port, metrics_port = free_port(), free_port()
+    picker = start_picker(tmp_path, [f"http://{fleet.address('a')}"], grpc_port, metrics_port, config=config,
+                          name="picker-probes")
+    try:
+        end = time.monotonic() + 10
+        probes: dict[str, float] = {}
+        while time.monotonic() < end:
+            probes = metric_values(request("GET", f"http://127.0.0.1:{metrics_port}/metrics")[2].decode(),
+                                   "llmdiag_picker_probes_total")
+            if probes.get("", 0) >= 2:
+                break
+            time.sleep(0.2)
+        assert probes.get("", 0) >= 2
+        assert fleet.engine_successes("a") >= before + 2
+    finally:
         picker.stop()
