@@ -376,8 +376,10 @@ def test_discovered_backends_are_routed(fleet, tmp_path):
 
 def test_tls_between_envoy_and_the_picker(fleet, tmp_path):
     """The inference gateways talk TLS to their picker: tls_cert_file/tls_key_file, a self-signed pair."""
+    import shutil
     import subprocess
 
+    require_tool(shutil.which("openssl") is not None, "openssl")
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=llmdiag-picker",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
