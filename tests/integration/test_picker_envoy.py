@@ -421,3 +421,15 @@ def test_active_probes_reach_the_engines(fleet, tmp_path):
         assert fleet.engine_successes("a") >= before + 2
     finally:
         picker.stop()
+
+
+def test_metrics_pass_promtool(fleet):
+    import shutil
+    import subprocess
+
+    require_tool(shutil.which("promtool") is not None, "promtool (prometheus)")
+    assert fleet.post({"model": MODEL, "prompt": "hi", "max_tokens": 2})[0] == 200
+    text = fleet.metrics()
+    assert "llmdiag_picker_decision_seconds_bucket" in text
+    check = subprocess.run(["promtool", "check", "metrics"], input=text.encode(), capture_output=True, timeout=30)
+    assert check.returncode == 0, check.stdout.decode() + check.stderr.decode()
