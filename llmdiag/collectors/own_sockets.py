@@ -63,6 +63,9 @@ class OwnPorts:
                 return
             self._open.pop(pair, None)
             self._closed[pair] = self._clock()
+            crowded = len(self._closed) > 1024
+        if crowded:
+            self.pairs()  # bounded even in a process where no collector reads the registry each tick
 
     def pairs(self) -> frozenset[Pair]:
         """Pairs to leave out now. Expired ones are forgotten (and listeners told)."""

@@ -53,14 +53,15 @@ from pathlib import Path
 from typing import Any
 
 from llmdiag.bpf import features
-from llmdiag.bpf.loader import BPFUnavailable, Program
+from llmdiag.bpf.loader import BPFUnavailable, Program, check_environment, program_tracepoints
+from llmdiag.collectors.base import AttachNeed
 from llmdiag.collectors.histogram import histogram_quantile
 from llmdiag.collectors.own_sockets import OWN_PORTS, OwnPorts, Pair
 from llmdiag.collectors.sockdiag import SockDiagError, format_endpoint, iter_tcp
 from llmdiag.config.tcp import TcpConfig
 from llmdiag.model import Backend, CollectorState, CollectorStatus, Distribution, Labelled, Sample, Scope
 
-__all__ = ["TcpCollector", "build_tcp_collector", "send_path_defines", "slot_bounds_us"]
+__all__ = ["TcpCollector", "attach_points", "build_tcp_collector", "send_path_defines", "slot_bounds_us"]
 
 log = logging.getLogger("llmdiag.collectors.tcp")
 
@@ -210,6 +211,15 @@ class TcpCollector:
 
     # -- start ------------------------------------------------------------------
     def _start(self, factory: ProgramFactory) -> None:
+        if factory is Program.load:
+            try:
+                # First, so a user without root or CAP_BPF hears that (with the way out), not a
+                # PermissionError from the feature probes below.
+                check_environment()
+            except BPFUnavailable as exc:
+                self.unavailable = exc
+                log.warning("tcp collector unavailable: %s", exc)
+                return
         defines, self.send_path = send_path_defines()
         defines.update({
             "SEND_TIMING": int(self.config.send_timing),
@@ -475,6 +485,34 @@ class TcpCollector:
             self._unsubscribe_own = None
         if self.program is not None:
             self.program.close()
+
+
+#: What each tracepoint of tcp_health.bpf.c is for; inet_sock_set_state is the one the collector needs.
+_PURPOSES = {
+    ("sock", "inet_sock_set_state"): ("connections, closes, TIME_WAIT entries, connect latency", True),
+    ("sock", "sock_send_length"): ("bytes and sends per socket (else kprobe tcp_sendmsg)", False),
+    ("raw", "sock_send_length"): ("the same sends without a perf record each (faster)", False),
+    ("tcp", "tcp_retransmit_skb"): ("retransmits", False),
+    ("tcp", "tcp_send_reset"): ("resets sent", False),
+    ("tcp", "tcp_receive_reset"): ("resets received", False),
+    ("tcp", "tcp_probe"): ("sampled srtt", False),
+    ("sock", "sock_exceed_buf_limit"): ("socket memory pressure", False),
+}
+
+
+def attach_points() -> list[AttachNeed]:
+    """The attach points of the tcp collector, read from its BPF program (``llmdiag doctor``)."""
+    out = []
+    for category, event in program_tracepoints("tcp_health"):
+        if category == "syscalls":
+            purpose, required = "time spent in sends ([tcp] send_timing, off by default)", False
+        else:
+            purpose, required = _PURPOSES.get((category, event), ("", False))
+        kind = "raw_tracepoint" if category == "raw" else "tracepoint"
+        target = event if category == "raw" else f"{category}:{event}"
+        out.append(AttachNeed("tcp", kind, target, purpose, required))
+    out.append(AttachNeed("tcp", "kprobe", "tcp_sendmsg", "sends on kernels without sock:sock_send_length", False))
+    return out
 
 
 def build_tcp_collector(config: Any, backends: list[Backend]) -> TcpCollector:

@@ -138,6 +138,7 @@ def test_bad_engines_and_bad_clients_never_stop_the_agent(tmp_path: Path, bad_en
             # --- the agent-check port ---------------------------------------------------------
             assert agent_check(port, f"llm/{good_name}\n".encode()).startswith("up ready ")
             assert agent_check(port, good_name.encode() + b"\n").startswith("up ready ")
+            assert agent_check(port, b"llm/no-such-server\n") == "up ready 100%\n"  # unknown: fail open
             assert agent_check(port, b"\xff\xfe\x00garbage\x01\n") == "up ready 100%\n"
             assert agent_check(port, b"x" * 100_000 + b"\n") == "up ready 100%\n"  # over-long line
             started = time.monotonic()

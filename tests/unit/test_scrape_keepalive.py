@@ -54,3 +54,13 @@ def test_one_shot_get_closes_and_registers_its_port_as_ours() -> None:
         result = http_get(f"{server.url}/metrics", 1.0, 1 << 22)
     assert result.status == 200 and server.requests[0][1]["Connection"] == "close"
     assert (server.peers[0], server.port) in OWN_PORTS.pairs()  # closed, and lingering for its TIME_WAIT
+
+
+def test_the_registry_stays_bounded_without_a_reader() -> None:
+    now = [0.0]
+    registry = OwnPorts(clock=lambda: now[0], linger_seconds=120)
+    for port in range(2000):  # one-shot GETs (discovery) in a process where nothing calls pairs()
+        registry.add(port, 8000)
+        registry.release(port, 8000)
+        now[0] += 0.1
+    assert len(registry.pairs()) <= 1200  # only the last 120 s of them
