@@ -389,8 +389,9 @@ async def test_pooled_connections_leave_no_time_wait_and_metrics_are_valid(tmp_p
                 async with session.post(gw.url + "/v1/completions", json=body) as resp:
                     assert resp.status == 200
                     await resp.read()
-            # 60 requests, one pooled keep-alive connection reused: no connection closed, no TIME_WAIT.
-            assert _timewait_to(engine.port) - before <= 1
+            # 60 requests over pooled keep-alive connections: a connection per request would leave 60
+            # sockets in TIME_WAIT toward the engine (the margin is for other tests' closing sockets).
+            assert _timewait_to(engine.port) - before < 5
             async with session.get(gw.url + "/metrics") as resp:
                 text = await resp.text()
         assert 'llmdiag_gateway_requests_total{class="ok",endpoint="/v1/completions"} 60.0' in text
