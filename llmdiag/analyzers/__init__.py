@@ -4,6 +4,6 @@ See :mod:`llmdiag.analyzers.analyzer` for the API and docs/diagnoses.md for the 
 """
 
 from llmdiag.analyzers.analyzer import AnalysisResult, Analyzer
-from llmdiag.analyzers.penalties import BackendHealth, backend_health, penalties_document
+from llmdiag.analyzers.penalties import BackendHealth, backend_health
 
-__all__ = ["AnalysisResult", "Analyzer", "BackendHealth", "backend_health", "penalties_document"]
+__all__ = ["AnalysisResult", "Analyzer", "BackendHealth", "backend_health"]

@@ -170,6 +170,34 @@ class Context:
         return None if v is None else v >= 1
 
     # -- history -----------------------------------------------------------
+    def outage(self, backend: str) -> tuple[float | None, float | None, float | None]:
+        """``(down_since, last_up, last_down)`` from the backend's ``up`` history: when the
+        current run of failed scrapes began (``None`` while the last scrape answered), when a
+        scrape last answered and when one last failed (``None``: not within the window)."""
+        series = self.windows.series(series_key("b", backend, "up"))
+        if series is None or not len(series):
+            return None, None, None
+        ts, values = series.ts, series.values
+        down_since = last_up = last_down = None
+        for i in range(len(ts) - 1, series.start - 1, -1):
+            if values[i] >= 1:
+                if last_up is None:
+                    last_up = ts[i]
+                if last_down is not None:
+                    break
+            else:
+                if last_down is None:
+                    last_down = ts[i]
+                if last_up is not None:
+                    break
+                down_since = ts[i]
+        return down_since, last_up, last_down
+
+    def value_at(self, scope: str, subject: str, signal: str, ts: float) -> float | None:
+        """A signal's recorded value at ``ts`` (the last point at or before it)."""
+        series = self.windows.series(series_key(scope, subject, signal))
+        return None if series is None else series.at(ts)
+
     def rate(self, scope: str, subject: str, signal: str, seconds: float) -> float | None:
         return self.windows.rate(series_key(scope, subject, signal), seconds)
 

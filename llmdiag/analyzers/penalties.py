@@ -1,4 +1,6 @@
-"""Per-backend penalty, state and reasons from open diagnoses (SPEC 3.3), and the penalties document.
+"""Per-backend penalty, state and reasons from open diagnoses (SPEC 3.3).
+
+The penalties document itself is built in :mod:`llmdiag.exporters.penalties`.
 
 ``penalty = 1 - prod(1 - p_i)`` over the backend's open diagnoses whose
 penalty is *enforced* (a kind with ``enforce = false`` is reported, never
@@ -14,16 +16,13 @@ from dataclasses import dataclass
 
 from llmdiag.model import (
     HOST,
-    Backend,
-    BackendPenalty,
     BackendState,
     Diagnosis,
-    PenaltiesDocument,
     Reason,
     combine_penalties,
 )
 
-__all__ = ["BackendHealth", "addresses_of", "backend_health", "penalties_document"]
+__all__ = ["BackendHealth", "backend_health"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,43 +54,3 @@ def backend_health(
         out[name] = BackendHealth(penalty, state, tuple(Reason.from_diagnosis(d) for d in ds))
     return out
 
-
-def penalties_document(
-    ts: float,
-    host: str,
-    health: Mapping[str, BackendHealth],
-    addresses: Mapping[str, str] | None = None,
-    ttl_seconds: float = 5,
-    scores: Mapping[str, tuple[float, int, BackendState]] | None = None,
-) -> PenaltiesDocument:
-    """``llmdiag.penalties/v1`` from analyzer output.
-
-    ``scores`` (name -> ``(score, weight_percent, state)``) is what the balancer
-    computed; a backend without one gets the simple default
-    ``score = 100 * (1 - penalty)``, ``weight_percent = round(score)`` and the
-    analyzer's own state."""
-    addresses = addresses or {}
-    scores = scores or {}
-    entries = []
-    for name, h in sorted(health.items()):
-        if name in scores:
-            score, weight, state = scores[name]
-        else:
-            score = round(100.0 * (1.0 - h.penalty), 3)
-            weight, state = int(round(score)), h.state
-        entries.append(
-            BackendPenalty(
-                name=name,
-                address=addresses.get(name, name),
-                score=score,
-                penalty=round(h.penalty, 6),
-                weight_percent=weight,
-                state=state,
-                reasons=h.reasons,
-            )
-        )
-    return PenaltiesDocument(ts=ts, host=host, ttl_seconds=ttl_seconds, backends=tuple(entries))
-
-
-def addresses_of(backends: Iterable[Backend]) -> dict[str, str]:
-    return {b.name: b.address for b in backends}

@@ -59,7 +59,8 @@ class Subject:
         self.counters: dict[tuple[str, str], float] = {}
         self.bumps: dict[tuple[str, str], float] = {}
         self.labelled: set[str] = set()
-        self.absent = False
+        #: While set, the engine's scrape fails for this reason (``scrape_failure{reason}``).
+        self.absent: str | None = None
 
     def set(self, **gauges: object) -> Subject:
         self.gauges.update(gauges)
@@ -189,7 +190,7 @@ class TimelineBuilder:
         for i, (name, s) in enumerate(self._backends.items()):
             signals = s._tick(dt)
             if s.absent:  # scrape failed: the engine collector says so and gives nothing else
-                signals = {"up": 0.0}
+                signals = {"up": 0.0, "scrape_failure": Labelled({label_key(reason=s.absent): 1.0})}
             signals.update(self._gpu_attribution(i, name))
             snap.backends[name] = signals  # type: ignore[assignment]
         for name, engines in self._engines.items():
@@ -463,11 +464,25 @@ def counter_reset() -> TimelineBuilder:
 
 def scrape_gap() -> TimelineBuilder:
     t = _warm()
-    t.backend("vllm-0").absent = True  # /metrics times out for 8 s
-    t.advance(8)
-    t.backend("vllm-0").absent = False
+    t.backend("vllm-0").absent = "timeout"  # one /metrics scrape times out: a blip, not an outage
+    t.advance(1)
+    t.backend("vllm-0").absent = None
     t.advance(4, gap=True)  # and the agent itself was paused for 4 s
     return t.advance(10)
+
+
+def backend_down() -> TimelineBuilder:
+    t = _warm()  # the product's story: KV fills, allocations fail, and the engine finally dies
+    b = t.backend("vllm-0").set(kv_cache_usage=0.83, requests_waiting=3.0, ttft_seconds=dist(1.8))
+    b.rate("cuda_alloc_failures_total", 0.0)
+    t.advance(2)
+    b.bump("cuda_alloc_failures_total", 2)
+    t.advance(1)
+    b.absent = "connection_refused"  # crashed: the port is closed
+    t.advance(12)
+    b.absent = None  # restarted and answering again, cold
+    b.set(kv_cache_usage=0.0, requests_waiting=0.0, ttft_seconds=dist(0.3))
+    return t.advance(15)
 
 
 def healthy() -> TimelineBuilder:
@@ -484,6 +499,7 @@ def kv_flapping_at_threshold() -> TimelineBuilder:
 
 
 _POSITIVE: list[tuple[Callable[[], TimelineBuilder], tuple[str, ...], str]] = [
+    (backend_down, ("backend_down",), "allocation failures at KV 83 %, then the engine refuses connections for 12 s"),
     (kv_cache_saturation, ("kv_cache_saturation",), "KV cache at 97 % with preemptions and a queue"),
     (kv_packed_no_queue, ("kv_cache_saturation",), "KV 90 % used with nothing waiting (info, small penalty)"),
     (queue_avalanche, ("queue_avalanche",), "waiting climbs 2 -> 35 while TTFT climbs 0.3 -> 3 s"),
@@ -515,11 +531,12 @@ _NEGATIVE: list[tuple[Callable[[], TimelineBuilder], str]] = [
     (idle_gpu_power_cap, "power cap on an idle GPU"),
     (client_quota_429s, "429s from a client's own quota"),
     (counter_reset, "an engine restart resets every counter"),
-    (scrape_gap, "8 s of failed scrapes and a 4 s agent pause"),
+    (scrape_gap, "one failed scrape and a 4 s agent pause"),
     (kv_flapping_at_threshold, "KV crossing 0.85 for 2 s at a time"),
 ]
 
 _EXTRA: dict[str, tuple[str, tuple[str, ...]]] = {
+    "backend_down": ("vllm-0", ("gpu_memory_pressure", "queue_avalanche")),
     "queue_avalanche": ("vllm-0", ("false_healthy",)),
     "client_timeout_storm": ("vllm-0", ("false_healthy",)),
     "conntrack_pressure": ("host", ()),

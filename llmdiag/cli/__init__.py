@@ -1,1 +1,1 @@
-"""Command line: argument parsing, the rich reports, the Textual TUI and the agent wiring."""
+"""Command line: argument parsing, the rich reports and the Textual TUI (the running system is llmdiag.agent)."""

@@ -36,7 +36,7 @@ def _register_balancer(sub: Any) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--iterations", type=int, default=20_000, metavar="N", help="picks per backend count (default 20000)")
     parser.add_argument(
-        "--backends", default="10,100,1000", metavar="LIST", help="comma-separated backend counts (default 10,100,1000)"
+        "--backends", default="10,100,1000", metavar="LIST", help="comma-separated backend counts, each >= 2 (default 10,100,1000)"
     )
     parser.set_defaults(handler=_run_balancer)
 
@@ -73,8 +73,11 @@ def _run_balancer(args: argparse.Namespace, config: Config) -> int:
     except ValueError:
         print(f"llmdiag bench balancer: --backends wants integers, got {args.backends!r}", file=sys.stderr)
         return EX_USAGE
-    if not counts or min(counts) < 1 or args.iterations < 1:
-        print("llmdiag bench balancer: need --iterations >= 1 and backend counts >= 1", file=sys.stderr)
+    # The benchmark alternates two models over the fleet (half the backends serve each), so a
+    # single backend would leave one model with nowhere to go.
+    if not counts or min(counts) < 2 or args.iterations < 1:
+        print("llmdiag bench balancer: need --iterations >= 1 and backend counts >= 2 "
+              "(picks alternate between two models, each served by half the backends)", file=sys.stderr)
         return EX_USAGE
     if args.json:
         result = bench_balancer(args.iterations, counts, config.balancer)

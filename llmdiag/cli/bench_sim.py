@@ -59,7 +59,10 @@ def register(bench_subparsers: Any) -> None:
         help="virtual seconds of arrivals (tiles the scaled trace; default one pass of it)",
     )
     parser.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS), help=f"engine preset (default {DEFAULT_PRESET})")
-    parser.add_argument("--kv-capacity", type=int, default=None, metavar="TOKENS", help="KV cache per engine in tokens (default: the preset's)")
+    parser.add_argument(
+        "--kv-tokens", "--kv-capacity", dest="kv_capacity", type=int, default=None, metavar="TOKENS",
+        help="KV cache per engine in tokens (default: the preset's; e.g. 200000 makes long prompts KV-bound)",
+    )
     parser.add_argument("--scrape-interval", type=float, default=0.1, metavar="S", help="metric scrape interval seen by metric-driven peers (default 0.1)")
     parser.add_argument(
         "--llmdiag-signal-interval", type=float, default=1.0, metavar="S",
@@ -101,6 +104,11 @@ def _run(args: argparse.Namespace, config: Config) -> int:
     if args.duration is not None and not args.duration > 0:
         err.print("llmdiag bench sim: --duration must be > 0")
         return EX_USAGE
+    if args.plot:
+        problem = _unwritable_dir(Path(args.plot))
+        if problem:  # found now, not after the whole simulation has run
+            err.print(f"llmdiag bench sim: --plot {args.plot}: {problem}", markup=False, highlight=False)
+            return EX_USAGE
     try:
         sim_config = SimConfig(
             scrape_interval_s=args.scrape_interval,
@@ -111,7 +119,11 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         err.print(f"llmdiag bench sim: {exc}")
         return EX_USAGE
     balancer_config = getattr(config, "balancer", None)
-    policy_options = {"llmdiag": {"config": balancer_config}} if balancer_config is not None else None
+    policy_options = (
+        {name: {"config": balancer_config} for name in ("llmdiag", "llmdiag_no_penalties")}
+        if balancer_config is not None
+        else None
+    )
 
     outputs = []
     with Progress(
@@ -210,3 +222,16 @@ def _print_table(console: Any, result: Any) -> None:
             str(failed),
         )
     console.print(table)
+
+
+def _unwritable_dir(path: Path) -> str | None:
+    """Why PNGs cannot be written into ``path`` (created if missing), or None when they can."""
+    import tempfile  # noqa: PLC0415
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        return f"cannot write there: {exc.strerror or exc}"
+    return None

@@ -4,8 +4,9 @@
     llmdiag collect --duration 30 --record run.jsonl.gz
     llmdiag collect --collectors tcp,timewait --backend http://127.0.0.1:8000 --json
 
-Snapshots follow ``llmdiag.snapshot/v1`` (SPEC 3.2). ``--json`` prints one
-JSON document per line (JSONL); ``--record FILE`` writes the same lines to a
+Snapshots follow ``llmdiag.snapshot/v1`` (SPEC 3.2). Without ``--json`` each
+snapshot is shown per backend, grouped by source, every value with its unit;
+``--json`` prints one JSON document per line (JSONL); ``--record FILE`` writes the same lines to a
 file (gzip when it ends in ``.gz``) for ``llmdiag diagnose --replay``.
 Counters become rates and histograms become window quantiles only from the
 second tick on, so ``--once`` primes the collectors, waits one interval and
@@ -16,17 +17,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from llmdiag.agent import wiring
+from llmdiag.agent.wiring import BuildProgress
+from llmdiag.agent.ticker import snapshot_ticks
+from llmdiag.cli.main import EX_USAGE, name_list, positive_seconds
+from llmdiag.cli.progress import CollectorProgress
+from llmdiag.cli.snapshot_view import print_snapshot
 from llmdiag.config import Config
 from llmdiag.model import Snapshot, write_snapshots
-
-from llmdiag.cli import wiring
-from llmdiag.cli.main import EX_USAGE, positive_seconds
 
 
 def snapshot_stream(
@@ -37,40 +40,53 @@ def snapshot_stream(
     once: bool,
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
+    progress: BuildProgress | None = None,
 ) -> Iterator[Snapshot]:
     """Yield snapshots at ``[agent] interval_seconds`` for ``duration`` seconds (or forever)."""
     backends = wiring.resolve_backends(config)
-    return wiring.snapshot_ticks(config, backends, names, duration=1 if once else duration, prime=once,
-                                 clock=clock, sleep=sleep)
+    return snapshot_ticks(config, backends, names, duration=1 if once else duration, prime=once, clock=clock, sleep=sleep,
+                          progress=progress)
 
 
-def _print_summary(snap: Snapshot) -> None:
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
+def _started(stream: Iterator[Snapshot]) -> Iterator[Snapshot]:
+    """Pull the first snapshot now (the collectors start then), and give the stream back whole."""
+    first = next(stream, None)
 
-    from llmdiag.model import encode_value  # noqa: PLC0415
+    def whole() -> Iterator[Snapshot]:
+        if first is not None:
+            yield first
+            yield from stream  # and closing this closes the ticker (collectors detached)
 
-    table = Table(title=f"snapshot {time.strftime('%H:%M:%S', time.localtime(snap.ts))} on {snap.hostname}")
-    table.add_column("scope")
-    table.add_column("subject")
-    table.add_column("signal")
-    table.add_column("value", overflow="fold")
-    for sample in snap.samples():
-        engine = f" engine {sample.engine}" if sample.engine is not None else ""
-        table.add_row(sample.scope.value, f"{sample.subject}{engine}", sample.name, json.dumps(encode_value(sample.value)))
-    for name, status in sorted(snap.collectors.items()):
-        table.add_row("collector", name, status.status.value, status.reason or "")
-    Console().print(table)
+    return whole()
+
+
+def _replay_problem(path: str) -> str | None:
+    """Why ``path`` is not a usable NVML replay file (missing, not text, not the format), or None."""
+    from llmdiag.collectors.nvml_replay import ReplayNvml  # noqa: PLC0415 - only with --nvml-replay
+
+    try:
+        ReplayNvml.from_file(path)
+    except UnicodeDecodeError as exc:
+        return f"not a text file ({exc.reason} at byte {exc.start})"
+    except ValueError as exc:  # ReplayError: unreadable, not JSON, not llmdiag.nvml-replay/v1
+        return str(exc)
+    return None
 
 
 def handle(args: argparse.Namespace, config: Config) -> int:
     if args.interval is not None:
         config = dataclasses.replace(config, agent=dataclasses.replace(config.agent, interval_seconds=args.interval))
     if args.nvml_replay:
+        problem = _replay_problem(args.nvml_replay)
+        if problem:  # a usage error here, not a gpu collector quietly "unavailable" and exit 0
+            print(f"llmdiag collect: --nvml-replay {args.nvml_replay}: {problem}", file=sys.stderr)
+            return EX_USAGE
         config = dataclasses.replace(config, gpu=dataclasses.replace(config.gpu, replay_file=args.nvml_replay))
-    names = [n.strip() for n in args.collectors.split(",") if n.strip()] if args.collectors else None
+    names = args.collectors  # None = all; never empty (name_list)
     try:
-        stream = snapshot_stream(config, names, duration=args.duration, once=args.once)
+        # A spinner per collector on a terminal while they start (BPF compiles take seconds).
+        with CollectorProgress() as progress:
+            stream = _started(snapshot_stream(config, names, duration=args.duration, once=args.once, progress=progress))
         if args.record:
             count = write_snapshots(args.record, _echo(stream, args.json))
             print(f"recorded {count} snapshot(s) to {args.record}", file=sys.stderr)
@@ -79,10 +95,12 @@ def handle(args: argparse.Namespace, config: Config) -> int:
             if args.json:
                 print(snap.dumps(), flush=True)
             else:
-                _print_summary(snap)
+                print_snapshot(snap)
     except ValueError as exc:
         print(f"llmdiag: {exc}", file=sys.stderr)
         return EX_USAGE
+    except BrokenPipeError:
+        raise  # stdout's reader went away (`| head -1`): main() ends quietly
     except OSError as exc:
         print(f"llmdiag: cannot write {args.record}: {exc.strerror or exc}", file=sys.stderr)
         return 1
@@ -114,7 +132,7 @@ def register(sub: Any) -> None:
     when = parser.add_mutually_exclusive_group()
     when.add_argument("--once", action="store_true", help="print one snapshot (after one priming interval) and exit")
     when.add_argument("--duration", type=positive_seconds, metavar="S", help="collect for S seconds (default: until Ctrl-C)")
-    parser.add_argument("--collectors", metavar="A,B", help="collectors to run (default: all available)")
+    parser.add_argument("--collectors", type=name_list, metavar="A,B", help="collectors to run (default: all available)")
     parser.add_argument("--interval", type=positive_seconds, metavar="S", help="seconds between snapshots (default: [agent] interval_seconds)")
     parser.add_argument("--nvml-replay", metavar="FILE", help="drive the gpu collector from a recorded NVML replay file")
     out = parser.add_argument_group("output")

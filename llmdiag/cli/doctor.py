@@ -1,11 +1,15 @@
 """``llmdiag doctor``: what works on this host, and what to do about each gap.
 
 Every check has a status (``ok``, ``degraded``, ``unavailable``), a detail
-(what was found) and a hint (what to do). ``--json`` prints
-``{"checks": [{"name", "status", "detail", "hint"}], "collectors_can_run": bool}``.
-The exit code is 0 when the BPF collectors can run (bpf(2), bcc, kernel
-headers, tracefs and the core TCP tracepoints all work) and 1 otherwise;
-engine, /proc and GPU collectors need none of that.
+(what was found), a hint (what to do) and ``optional`` (an upgrade such as
+kprobes, fentry, BTF or BPF run-time stats: nothing is lost without it).
+``--json`` prints ``{"checks": [{"name", "status", "detail", "hint", "optional"}],
+"collectors_can_run": bool}``. The exit code is 0 when the BPF collectors can
+run (bpf(2), bcc, kernel headers, tracefs and the core TCP tracepoints all
+work) and 1 otherwise; engine, /proc and GPU collectors need none of that.
+Run as a non-root user, the checks that need root say so instead of failing.
+With ``--backend URL`` (or ``[[backends]]`` in the config) it also scrapes
+each backend's ``/metrics`` once and names the engine that answers.
 """
 
 from __future__ import annotations
@@ -14,11 +18,17 @@ import argparse
 import json
 import os
 import platform
+import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 from llmdiag.bpf import features
+from llmdiag.collectors.discovery import discover_engines
 from llmdiag.config import Config
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 OK, DEGRADED, UNAVAILABLE = "ok", "degraded", "unavailable"
 
@@ -43,6 +53,10 @@ TRACEPOINTS = (
 )
 #: Without these the TCP collector cannot run at all.
 CORE_TRACEPOINTS = {("sock", "inet_sock_set_state"), ("tcp", "tcp_sendmsg_locked")}
+#: Upgrades over the tracepoint path: shown apart, never as gaps.
+OPTIONAL = {"btf", "kprobe", "fentry", "bpf_stats"}
+
+_NEEDS_ROOT_HINT = "run `sudo llmdiag doctor` to check it; the collectors need root or CAP_BPF + CAP_PERFMON"
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,22 @@ class Check:
     status: str
     detail: str
     hint: str = ""
+    optional: bool = False
+
+
+def _guarded(name: str, probe: Callable[[], Check | list[Check]]) -> list[Check]:
+    """Run one probe; doctor reports what it cannot check, it never crashes.
+
+    A non-root user cannot read tracefs (``/sys/kernel/tracing`` is 0700): that is
+    the answer "needs root/CAP_BPF" for this check, with the way to get one."""
+    try:
+        result = probe()
+    except PermissionError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return [Check(name, UNAVAILABLE, f"needs root/CAP_BPF: permission denied{where}", _NEEDS_ROOT_HINT)]
+    except Exception as exc:  # noqa: BLE001 - one odd probe must not hide the others
+        return [Check(name, DEGRADED, f"could not check: {type(exc).__name__}: {exc}", "please report this with the output of uname -a")]
+    return result if isinstance(result, list) else [result]
 
 
 def _kernel() -> Check:
@@ -97,17 +127,22 @@ def _tracefs() -> Check:
                  "" if root else "mount -t tracefs tracefs /sys/kernel/tracing (needs root)")
 
 
+def _tracepoint(category: str, event: str, used_for: str) -> Check:
+    exists = features.tracepoint_exists(category, event)
+    core = (category, event) in CORE_TRACEPOINTS
+    status = OK if exists else (UNAVAILABLE if core else DEGRADED)
+    hint = ""
+    if not exists:
+        hint = "kprobe tcp_sendmsg is used instead where kprobes exist" if event == "tcp_sendmsg_locked" else (
+            "the signal it feeds will be missing on this kernel")
+    return Check(f"tracepoint:{category}:{event}", status, f"{'present' if exists else 'missing'} ({used_for})", hint)
+
+
 def _tracepoints() -> list[Check]:
-    checks = []
+    checks: list[Check] = []
     for category, event, used_for in TRACEPOINTS:
-        exists = features.tracepoint_exists(category, event)
-        core = (category, event) in CORE_TRACEPOINTS
-        status = OK if exists else (UNAVAILABLE if core else DEGRADED)
-        hint = ""
-        if not exists:
-            hint = "kprobe tcp_sendmsg is used instead where kprobes exist" if event == "tcp_sendmsg_locked" else (
-                "the signal it feeds will be missing on this kernel")
-        checks.append(Check(f"tracepoint:{category}:{event}", status, f"{'present' if exists else 'missing'} ({used_for})", hint))
+        name = f"tracepoint:{category}:{event}"
+        checks += _guarded(name, lambda c=category, e=event, u=used_for: _tracepoint(c, e, u))
     return checks
 
 
@@ -173,10 +208,6 @@ def _nvml() -> Check:
 
 
 def _engines(config: Config) -> Check:
-    try:
-        from llmdiag.collectors.discovery import discover_engines  # noqa: PLC0415
-    except ImportError:
-        return Check("engines", UNAVAILABLE, "engine discovery is not available in this build", "pass engines with --backend URL")
     configured = config.backend_list()
     try:
         found = discover_engines()
@@ -192,47 +223,140 @@ def _engines(config: Config) -> Check:
     return Check("engines", OK, detail)
 
 
-def run_checks(config: Config) -> list[Check]:
-    checks: list[Check] = [_kernel()]
-    checks += _root()
-    checks.append(_bpf_syscall())
-    checks.append(_btf())
-    checks.append(_tracefs())
-    checks += _tracepoints()
-    checks.append(_kprobes())
-    bcc = _bcc()
-    checks.append(_uprobes())
-    checks.append(_headers())
-    checks.append(bcc)
-    checks.append(_fentry(bcc.status == OK))
-    checks.append(_bpf_stats())
-    checks.append(_nvml())
-    checks.append(_engines(config))
+def _backends(config: Config) -> list[Check]:
+    """Scrape each configured backend's /metrics once: does it answer, and as which engine?"""
+    from llmdiag.collectors.engine import EngineCollector  # noqa: PLC0415 - only with backends
+
+    backends = config.backend_list()
+    if not backends:
+        return []
+    collector = EngineCollector(backends, config.engine)
+    try:
+        collector.collect(time.time())
+    finally:
+        collector.close()
+    checks = []
+    for backend in backends:
+        scrape = collector.results.get(backend.name)
+        name = f"backend:{backend.name}"
+        where = f"{backend.url}{config.engine.metrics_path}"
+        if scrape is None or not scrape.up:
+            error = scrape.error if scrape is not None else "not scraped"
+            hint = ("is the engine running, and is this its HTTP port? "
+                    "`llmdiag scrape URL` shows what it serves")
+            if backend.scheme == "grpc":
+                hint = "a gRPC port rarely serves /metrics: add the engine's HTTP port as an http:// backend too"
+            checks.append(Check(name, UNAVAILABLE, f"{where}: {error}", hint))
+        elif not scrape.engine:
+            checks.append(Check(name, DEGRADED, f"{where} answers, but with no known engine metrics",
+                                "is this an inference engine (vLLM, SGLang, TRT-LLM, Triton, TGI)? pass --engine to "
+                                "`llmdiag scrape` if the scrape is ambiguous"))
+        else:
+            models = f", serving {', '.join(scrape.models)}" if scrape.models else ""
+            problems = f"; {scrape.problems[0]}" if scrape.problems else ""
+            checks.append(Check(name, DEGRADED if problems else OK,
+                                f"{where}: {scrape.engine}, {len(scrape.signals)} signals{models}{problems}",
+                                "see `llmdiag scrape URL` for the details" if problems else ""))
     return checks
+
+
+def run_checks(config: Config) -> list[Check]:
+    probes: list[tuple[str, Callable[[], Check | list[Check]]]] = [
+        ("kernel", _kernel),
+        ("privileges", _root),
+        ("bpf_syscall", _bpf_syscall),
+        ("btf", _btf),
+        ("tracefs", _tracefs),
+        ("tracepoints", _tracepoints),
+        ("kprobe", _kprobes),
+        ("uprobe", _uprobes),
+        ("kernel_headers", _headers),
+        ("bcc", _bcc),
+    ]
+    checks: list[Check] = []
+    for name, probe in probes:
+        checks += _guarded(name, probe)
+    bcc_ok = checks[-1].status == OK
+    checks += _guarded("fentry", lambda: _fentry(bcc_ok))
+    checks += _guarded("bpf_stats", _bpf_stats)
+    checks += _guarded("nvml", _nvml)
+    checks += _guarded("engines", lambda: _engines(config))
+    checks += _guarded("backends", lambda: _backends(config))
+    return [replace(c, optional=True) if c.name in OPTIONAL else c for c in checks]
 
 
 def collectors_can_run(checks: list[Check]) -> bool:
     by_name = {c.name: c for c in checks}
     needed = ["bpf_syscall", "tracefs", "bcc", "kernel_headers"] + [f"tracepoint:{c}:{e}" for c, e in sorted(CORE_TRACEPOINTS)]
-    return all(by_name[n].status != UNAVAILABLE for n in needed)
+    return all(n in by_name and by_name[n].status != UNAVAILABLE for n in needed)
 
 
-def _print_table(checks: list[Check], can_run: bool) -> None:
+#: Sections of the text report: (title, does this check belong here).
+_SECTIONS: tuple[tuple[str, Callable[[Check], bool]], ...] = (
+    ("Needed by the BPF collectors (tcp, timewait, http2, cuda)",
+     lambda c: not c.optional and not c.name.startswith(("tracepoint:", "nvml", "engines", "backend:"))),
+    ("Tracepoints", lambda c: c.name.startswith("tracepoint:")),
+    ("Optional upgrades (nothing is lost without them)", lambda c: c.optional),
+    ("GPU and engines", lambda c: c.name.startswith(("nvml", "engines", "backend:"))),
+)
+_MARKS = {OK: ("ok", "green"), DEGRADED: ("!!", "yellow"), UNAVAILABLE: ("no", "red")}
+
+
+def _fold_tracepoints(rows: list[Check]) -> list[Check]:
+    """The present tracepoints as one line, and the ones that could not be checked (no
+    root) as one line; only missing tracepoints keep a line each."""
+    present = [c for c in rows if c.status == OK]
+    unchecked = [c for c in rows if c.detail.startswith("needs root")]
+    missing = [c for c in rows if c not in present and c not in unchecked]
+    folded = []
+    if present:
+        users = sorted({c.detail.rsplit("(", 1)[-1].split(":", 1)[0] for c in present})
+        everything = "all " if len(present) == len(rows) else ""
+        folded.append(Check("tracepoints", OK, f"{everything}{len(present)} present (used by {', '.join(users)})"))
+    if unchecked:
+        folded.append(replace(unchecked[0], name=f"tracepoints ({len(unchecked)})"))
+    return folded + missing
+
+
+def _print_report(checks: list[Check], can_run: bool, console: Console | None = None) -> None:
+    """One line per check and an indented hint: readable at 80 columns, where a four-column
+    table is not. Tracepoints that are all present fold into one line. Every string from a
+    probe goes in as Text, never as markup: "[[backends]]" or "[Errno 13]" must print as is."""
     from rich.console import Console  # noqa: PLC0415
+    from rich.padding import Padding  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
 
-    colours = {OK: "green", DEGRADED: "yellow", UNAVAILABLE: "red"}
-    table = Table(title="llmdiag doctor", show_lines=False)
-    table.add_column("check", style="bold", no_wrap=True)
-    table.add_column("status")
-    table.add_column("detail", overflow="fold")
-    table.add_column("what to do", overflow="fold")
-    for c in checks:
-        table.add_row(c.name, f"[{colours[c.status]}]{c.status}[/]", c.detail, c.hint)
-    console = Console()
-    console.print(table)
-    verdict = "[green]BPF collectors can run on this host[/]" if can_run else "[red]BPF collectors cannot run here; see the hints above[/]"
-    console.print(verdict)
+    console = console or Console(highlight=False)
+    console.print(Text("llmdiag doctor", style="bold"))
+    for title, belongs in _SECTIONS:
+        rows = [c for c in checks if belongs(c)]
+        if not rows:
+            continue
+        console.print()
+        console.print(Text(title, style="bold underline"))
+        if title == "Tracepoints":
+            rows = _fold_tracepoints(rows)
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(width=2, no_wrap=True)
+        grid.add_column(overflow="fold")  # wrapped lines keep the indent of the text, not the mark
+        for c in rows:
+            mark, colour = _MARKS[c.status]
+            if c.optional and c.status != OK:
+                mark, colour = "--", "dim"  # an upgrade this kernel lacks, not a gap
+            body = Text()
+            body.append(c.name.removeprefix("tracepoint:"), style="bold")
+            body.append(f"  {c.detail}")
+            if c.hint:
+                body.append(f"\n-> {c.hint}", style="italic")
+            grid.add_row(Text(mark, style=f"bold {colour}"), body)
+        console.print(Padding(grid, (0, 0, 0, 1)))
+    console.print()
+    if can_run:
+        console.print(Text("BPF collectors can run on this host.", style="green"))
+    else:
+        console.print(Text("BPF collectors cannot run here; see the hints above. "
+                           "The engine, /proc and GPU collectors need none of this.", style="red"))
 
 
 def handle(args: argparse.Namespace, config: Config) -> int:
@@ -241,7 +365,7 @@ def handle(args: argparse.Namespace, config: Config) -> int:
     if args.json:
         print(json.dumps({"checks": [asdict(c) for c in checks], "collectors_can_run": can_run}, indent=2))
     else:
-        _print_table(checks, can_run)
+        _print_report(checks, can_run)
     return 0 if can_run else 1
 
 
@@ -250,9 +374,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "doctor",
         help="check what works on this host (BPF, tracepoints, headers, NVML, engines) and what to do about gaps",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
+        epilog="Add --backend URL (repeatable) to check that each backend answers /metrics.",
     )
-    parser.add_argument("--json", action="store_true", help='print {"checks": [{"name","status","detail","hint"}]}')
+    parser.add_argument("--json", action="store_true",
+                        help='print {"checks": [{"name","status","detail","hint","optional"}], "collectors_can_run"}')
     parser.set_defaults(handler=handle)
 
-
-CheckFn = Callable[[], Check]

@@ -8,6 +8,7 @@ It serves the OpenAI completions API (streaming or not), /v1/models, /health
 and vLLM-named /metrics, so collectors, gateways and load generators can be
 tried without a GPU. Fault kinds: slowdown (speed), stall, crash (down),
 error_5xx (ratio), kv_shrink (factor); times in seconds from start.
+It runs until Ctrl-C or SIGTERM and then exits 130, like every llmdiag command.
 """
 
 from __future__ import annotations
@@ -18,25 +19,34 @@ import signal
 import sys
 from typing import Any
 
-from llmdiag.cli.main import EX_USAGE
+from llmdiag.cli.main import EX_INTERRUPTED, EX_USAGE
 from llmdiag.config import Config
 from llmdiag.sim.engine_model import PRESETS
 from llmdiag.sim.fake_engine import FakeEngine, FakeEngineOptions
 from llmdiag.sim.faults import parse_faults
 
 
-async def _serve(options: FakeEngineOptions) -> None:
+async def _serve(options: FakeEngineOptions) -> int:
+    """Serve until SIGINT or SIGTERM; returns the signal that stopped it."""
     engine = FakeEngine(options)
     await engine.start()
-    print(f"fake engine {options.model} ({options.profile}) serving on {engine.url}; Ctrl-C to stop", file=sys.stderr, flush=True)
+    grpc = f" and gRPC on grpc://{options.host}:{engine.grpc_port}" if engine.grpc_port else ""
+    print(f"fake engine {options.model} ({options.profile}) serving on {engine.url}{grpc}; Ctrl-C to stop", file=sys.stderr, flush=True)
     stop = asyncio.Event()
+    received: list[int] = []
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: int) -> None:
+        received.append(sig)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await stop.wait()
     finally:
         await engine.stop()
+    return received[0]
 
 
 def handle(args: argparse.Namespace, config: Config) -> int:
@@ -45,6 +55,7 @@ def handle(args: argparse.Namespace, config: Config) -> int:
             host=args.host, port=args.port, model=args.model, profile=args.profile,
             kv_capacity_tokens=args.kv_capacity, queue_limit=args.queue_limit,
             faults=parse_faults(args.faults or ""), engine_label=args.engine_label, seed=args.seed,
+            grpc_port=args.grpc_port,
         )
         FakeEngine(options)  # checks the model options before anything listens
     except ValueError as exc:
@@ -55,7 +66,8 @@ def handle(args: argparse.Namespace, config: Config) -> int:
     except OSError as exc:
         print(f"llmdiag fake-engine: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    return 0
+    # Stopped by Ctrl-C or SIGTERM: 130, like every other llmdiag command (and the shell).
+    return EX_INTERRUPTED
 
 
 def _port(text: str) -> int:
@@ -82,6 +94,8 @@ def register(sub: Any) -> None:
     parser.add_argument("--kv-capacity", type=_positive_int, metavar="TOKENS", help="KV cache capacity in tokens (default: the preset's)")
     parser.add_argument("--queue-limit", type=_positive_int, metavar="N", help="answer 429 (saturation body) when N requests wait")
     parser.add_argument("--faults", metavar="SPEC", help='fault schedule, e.g. "slowdown:start=30,speed=0.4;crash:start=90,down=15"')
+    parser.add_argument("--grpc-port", type=_port, default=None, metavar="N",
+                        help="also serve an h2c gRPC streaming Generate method on port N (0 picks one)")
     parser.add_argument("--engine-label", default="0", help="value of the engine label on /metrics")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(handler=handle)

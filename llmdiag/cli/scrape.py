@@ -7,7 +7,8 @@ scrapes; with ``--interval 0`` it scrapes once and the distributions are NA.
 "signals": {...}, "engines": {"<engine label>": {...}}}`` with values
 encoded as SPEC 3.2; otherwise a table with one column per DP engine and
 one for the backend aggregate. Exit code 0 when the engine answered with
-known metrics, 1 when it did not, 2 for a bad URL.
+known metrics, 1 when it did not, 64 (EX_USAGE) for a bad URL or option.
+A URL without a scheme (``127.0.0.1:8000``) means ``http://``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("url", metavar="URL", help="engine base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("url", metavar="URL", help="engine base URL, e.g. http://127.0.0.1:8000 (no scheme means http://)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
         "--interval", type=float, default=1.0, metavar="S",
@@ -78,6 +79,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
         print("llmdiag scrape: --interval must be >= 0", file=sys.stderr)
         return EX_USAGE
     url = args.url.rstrip("/")
+    if "://" not in url:
+        url = f"http://{url}"  # `scrape host:port`, as curl takes it
     if url.endswith("/metrics"):
         url = url[: -len("/metrics")]
     try:
@@ -119,12 +122,13 @@ def _number(value: Any) -> str:
 def _print_table(url: str, scrape: BackendScrape) -> None:
     from rich.console import Console  # noqa: PLC0415 - only the table needs rich
     from rich.table import Table  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
 
     console = Console()
     title = f"{url}  engine={scrape.engine or '?'}  up={'yes' if scrape.up else 'no'}"
     if scrape.models:
         title += f"  models={', '.join(scrape.models)}"
-    table = Table(title=title)
+    table = Table(title=Text(title))
     table.add_column("signal", style="bold")
     labels = list(scrape.engines)
     for label in labels:
@@ -134,9 +138,10 @@ def _print_table(url: str, scrape: BackendScrape) -> None:
     for name in names:
         row = [name] + [_cell(scrape.engines[label].get(name)) if name in scrape.engines[label] else "" for label in labels]
         row.append(_cell(scrape.signals.get(name)) if name in scrape.signals else "")
-        table.add_row(*row)
+        table.add_row(*(Text(cell) for cell in row))
     console.print(table)
+    # Text, not markup: errors carry brackets ("[Errno 111] ...") that rich would eat.
     if scrape.error:
-        console.print(f"[red]{scrape.error}[/red]")
+        console.print(Text(scrape.error, style="red"))
     for problem in scrape.problems:
-        console.print(f"[yellow]warning:[/yellow] {problem}")
+        console.print(Text.assemble(("warning: ", "yellow"), problem))

@@ -31,10 +31,21 @@ queue counts and counters, merged window histograms for p50/p99 and the
 worst engine's EWMA, so one overloaded engine cannot hide behind a healthy
 average (rules in :data:`~llmdiag.collectors.engine_names.AGGREGATION`).
 
-Per backend also: ``up`` (1 when the scrape answered 200 with a body,
-else 0, with the reason in the collector status), ``scrape_age_seconds``
-(since the last good scrape; NA before the first), ``scrape_duration_seconds``.
-Failures never raise out of :meth:`EngineCollector.collect`.
+Per backend also: ``up`` (1 when the scrape answered 200 with an engine's
+metrics, else 0, with the reason in the collector status),
+``scrape_failure{reason}`` while ``up`` is 0 (1 for the one reason of
+:data:`SCRAPE_FAILURES` the last scrape failed for; what the ``backend_down``
+diagnosis names), ``scrape_age_seconds`` (since the last good scrape; NA
+before the first), ``scrape_duration_seconds``. Failures never raise out of
+:meth:`EngineCollector.collect`.
+
+A page that answers 200 without any engine's metric names (an HTML page, a
+plain web server, another exporter) is *not an engine*: ``up`` 0, reason
+``not_an_engine``, unless the backend is configured as ``engine = "openai"``
+(an OpenAI-compatible server without a known metrics dialect), which is up
+when it answers. ``grpc://`` backends have no HTTP ``/metrics`` to scrape: they
+are left out (logged once at info, named in the status reason), not counted
+as down.
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ from dataclasses import dataclass, field
 from llmdiag.collectors.engine_names import AGGREGATION, Dialect, detect_dialect
 from llmdiag.collectors.engine_parse import EngineReading, ParsedScrape, parse_exposition, read_engines
 from llmdiag.collectors.histogram import CumulativeHistogram, HistogramDelta, counter_delta
-from llmdiag.collectors.http_fetch import PROMETHEUS_ACCEPT, FetchFunction, FetchResult, http_get
+from llmdiag.collectors.http_fetch import PROMETHEUS_ACCEPT, FetchFunction, FetchResult, KeepAlivePool
 from llmdiag.config.engine import EngineConfig
 from llmdiag.model import (
     Backend,
@@ -63,11 +74,33 @@ from llmdiag.model import (
     Signals,
 )
 
-__all__ = ["BackendScrape", "EngineCollector"]
+__all__ = ["SCRAPE_FAILURES", "BackendScrape", "EngineCollector"]
 
 log = logging.getLogger("llmdiag.collectors.engine")
 
 _NA_DISTRIBUTION = Distribution(None, None, None, None)
+
+#: ``scrape_failure{reason}`` values: why a backend's last scrape failed.
+SCRAPE_FAILURES = {
+    "connection_refused": "connection refused (nothing listens: the process is gone)",
+    "timeout": "scrape timed out (hung or drowning)",
+    "name_not_resolved": "host name does not resolve",
+    "unreachable": "unreachable (socket error)",
+    "not_an_engine": "answers, but not as an engine (no engine metrics, or HTTP 404)",
+    "http_error": "HTTP error status",
+    "bad_response": "answers, but not HTTP",
+    "too_large": "response over the size cap",
+    "bad_url": "not an http(s) URL",
+    "error": "the scrape failed unexpectedly",
+}
+
+
+def _failure_of(result: FetchResult) -> str:
+    """The ``scrape_failure`` reason for a failed fetch."""
+    if result.failure == "http_status":
+        # No /metrics at that path: a web server, a gateway, anything but an engine.
+        return "not_an_engine" if result.status == 404 else "http_error"
+    return result.failure if result.failure in SCRAPE_FAILURES else "unreachable"
 
 
 @dataclass(slots=True)
@@ -78,6 +111,8 @@ class BackendScrape:
     up: bool
     engine: str | None = None
     error: str | None = None
+    #: One of :data:`SCRAPE_FAILURES` when ``up`` is False.
+    failure: str | None = None
     problems: list[str] = field(default_factory=list)
     models: tuple[str, ...] = ()
     signals: Signals = field(default_factory=dict)
@@ -176,11 +211,16 @@ class _BackendTracker:
 
     def update(self, parsed: ParsedScrape, fetched_at: float, alpha: float) -> BackendScrape:
         dialect = detect_dialect(parsed.names(), self.backend.engine)
-        self.last_ok_clock = fetched_at
         scrape = BackendScrape(self.backend, up=True, problems=list(parsed.problems))
         if dialect is None:
             scrape.error = "no known engine metrics (vllm:, sglang:, trtllm_, nv_trt_llm_, nv_inference_, tgi_)"
+            if self.backend.engine != "openai":
+                # An HTML page or another exporter answering on the port: not an engine, so not up.
+                scrape.up, scrape.failure = False, "not_an_engine"
+                return scrape
+            self.last_ok_clock = fetched_at
             return scrape
+        self.last_ok_clock = fetched_at
         if self.dialect is not None and dialect is not self.dialect:
             self.engines.clear()  # another engine now answers on this port: old windows mean nothing
         self.dialect = dialect
@@ -255,8 +295,9 @@ class EngineCollector:
     """Scrapes every backend's engine metrics once per :meth:`collect`.
 
     ``fetch(url, timeout, max_bytes, accept) -> FetchResult`` and ``clock``
-    (monotonic seconds) are injectable; the defaults are
-    :func:`~llmdiag.collectors.http_fetch.http_get` and ``time.monotonic``.
+    (monotonic seconds) are injectable; the defaults are a
+    :class:`~llmdiag.collectors.http_fetch.KeepAlivePool` (one kept-alive
+    connection per backend, closed with the collector) and ``time.monotonic``.
     """
 
     name = "engine"
@@ -269,8 +310,17 @@ class EngineCollector:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config or EngineConfig()
-        self.backends = list(backends)
-        self._fetch = fetch or http_get
+        backends = list(backends)
+        # gRPC backends serve no HTTP /metrics: scraping them would only ever say "down".
+        self.backends = [b for b in backends if b.scheme != "grpc"]
+        self.skipped = [b for b in backends if b.scheme == "grpc"]
+        if self.skipped:
+            log.info(
+                "engine metrics: not scraping gRPC backend(s) %s (no HTTP /metrics; the http2 collector watches them)",
+                ", ".join(b.name for b in self.skipped),
+            )
+        self._connections = KeepAlivePool() if fetch is None else None
+        self._fetch: FetchFunction = fetch or self._connections  # type: ignore[assignment]
         self._clock = clock
         self._trackers = {b.name: _BackendTracker(b) for b in self.backends}
         self._pool: ThreadPoolExecutor | None = None
@@ -290,8 +340,9 @@ class EngineCollector:
         return samples
 
     def status(self) -> CollectorStatus:
+        skipped = f"gRPC backend(s) not scraped (no HTTP /metrics): {', '.join(b.name for b in self.skipped)}" if self.skipped else None
         if not self.backends:
-            return CollectorStatus(CollectorState.UNAVAILABLE, "no backends configured or discovered", None, 0)
+            return CollectorStatus(CollectorState.UNAVAILABLE, skipped or "no backends configured or discovered", None, 0)
         troubles = []
         for name, scrape in self.results.items():
             if not scrape.up:
@@ -301,13 +352,17 @@ class EngineCollector:
             elif scrape.problems:
                 troubles.append(f"{name}: {scrape.problems[0]}")
         if troubles:
+            if skipped:
+                troubles.append(skipped)
             return CollectorStatus(CollectorState.DEGRADED, "; ".join(troubles), self._last_ok_ts, self._errors_total)
-        return CollectorStatus(CollectorState.OK, None, self._last_ok_ts, self._errors_total)
+        return CollectorStatus(CollectorState.OK, skipped, self._last_ok_ts, self._errors_total)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        if self._connections is not None:
+            self._connections.close()
 
     # -- work ------------------------------------------------------------
     def _scrape_all(self) -> list[BackendScrape]:
@@ -326,14 +381,14 @@ class EngineCollector:
             try:
                 result, parsed, fetched_at = future.result(timeout=budget)
             except FutureTimeout:
-                out.append(self._down(tracker, f"timed out after {self.config.timeout_seconds:g} s"))
+                out.append(self._down(tracker, f"timed out after {self.config.timeout_seconds:g} s", "timeout"))
                 continue
             except Exception as exc:  # noqa: BLE001 - an injected fetch may raise anything
                 self._errors_total += 1
-                out.append(self._down(tracker, f"{type(exc).__name__}: {exc}"))
+                out.append(self._down(tracker, f"{type(exc).__name__}: {exc}", "error"))
                 continue
             if parsed is None:
-                out.append(self._down(tracker, result.error or "no answer"))
+                out.append(self._down(tracker, result.error or "no answer", _failure_of(result)))
                 continue
             try:
                 scrape = tracker.update(parsed, fetched_at, self.config.ewma_alpha)
@@ -341,6 +396,9 @@ class EngineCollector:
                 self._errors_total += 1
                 log.warning("backend %s: could not read the scrape: %s", backend.name, exc, exc_info=True)
                 scrape = BackendScrape(backend, up=True, error=f"could not read the scrape: {type(exc).__name__}: {exc}")
+            if not scrape.up:
+                out.append(self._down(tracker, scrape.error or "not an engine", scrape.failure or "not_an_engine"))
+                continue
             scrape.signals["up"] = 1
             scrape.signals["scrape_duration_seconds"] = result.elapsed_seconds
             scrape.signals["scrape_age_seconds"] = max(0.0, self._clock() - fetched_at)
@@ -355,10 +413,11 @@ class EngineCollector:
             return result, None, fetched_at
         return result, parse_exposition(result.body), fetched_at
 
-    def _down(self, tracker: _BackendTracker, reason: str) -> BackendScrape:
-        scrape = BackendScrape(tracker.backend, up=False, error=reason, engine=tracker.dialect.engine if tracker.dialect else None)
+    def _down(self, tracker: _BackendTracker, reason: str, failure: str) -> BackendScrape:
+        engine = tracker.dialect.engine if tracker.dialect else None
+        scrape = BackendScrape(tracker.backend, up=False, error=reason, engine=engine, failure=failure)
         age = None if tracker.last_ok_clock is None else max(0.0, self._clock() - tracker.last_ok_clock)
-        scrape.signals = {"up": 0, "scrape_age_seconds": age}
+        scrape.signals = {"up": 0, "scrape_age_seconds": age, "scrape_failure": Labelled({f"reason={failure}": 1})}
         return scrape
 
     @staticmethod

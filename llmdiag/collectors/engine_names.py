@@ -20,7 +20,45 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["AGGREGATION", "ALLOCATOR_RULES", "DIALECTS", "Dialect", "Kind", "Rule", "canonical_name", "detect_dialect"]
+__all__ = [
+    "AGGREGATION",
+    "ALLOCATOR_RULES",
+    "DIALECTS",
+    "UNCOUNTED_HANDLERS",
+    "Dialect",
+    "Kind",
+    "Rule",
+    "canonical_name",
+    "detect_dialect",
+    "response_class",
+]
+
+
+def response_class(status: str) -> str | None:
+    """The ``responses_total`` class of an HTTP status as an engine's HTTP counter labels it.
+
+    vLLM's ``http_requests_total`` (prometheus-fastapi-instrumentator) groups statuses as
+    ``2xx``/``4xx``/``5xx``; a server set to keep them apart says ``429``, ``503`` ...
+    A 429 from the engine itself is saturation (engines have no per-tenant quotas; a
+    gateway's quota 429 never reaches them): ``saturated_429``. Any other 4xx (a bad
+    request, an unknown model) is the client's doing: ``client_4xx``, left out of error
+    ratios. ``None`` for what is not a status.
+    """
+    code = status.strip().lower()
+    if code == "429":
+        return "saturated_429"
+    if code[:1] == "5":
+        return "server_5xx"
+    if code[:1] == "4":
+        return "client_4xx"
+    if code[:1] in ("2", "3"):
+        return "ok"
+    return None
+
+
+#: Handlers an engine's HTTP counter counts that are not inference requests (vLLM already
+#: leaves out /metrics, /health and friends; /v1/models polls would water error ratios down).
+UNCOUNTED_HANDLERS = frozenset({"/v1/models", "/health", "/metrics", "/ping", "/version", "/load", "/server_info"})
 
 
 def canonical_name(name: str) -> str:
@@ -44,6 +82,7 @@ class Kind(enum.Enum):
     RATIO = "ratio"  # gauge(selector) / gauge(denominator selector)
     PRODUCT = "product"  # gauge(selector) * gauge(second metric/selector)
     INFO_PRODUCT = "info_product"  # product of two numeric labels of an info metric (cache_config_info)
+    RESPONSE_CLASSES = "response_classes"  # an HTTP counter by status -> Labelled {class} (response_class())
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +143,7 @@ AGGREGATION: dict[str, str] = {
     "kv_capacity_tokens": "sum",
     "preemptions_total": "sum",
     "requests_finished_total": "sum",
+    "responses_total": "sum",
     "prompt_tokens_total": "sum",
     "generation_tokens_total": "sum",
     "ttft_seconds": "distribution",
@@ -156,6 +196,8 @@ VLLM = Dialect(
         Rule("requests_finished_total", LC, "vllm:request_success_total", source_label="finished_reason"),
         Rule("prompt_tokens_total", C, "vllm:prompt_tokens_total"),
         Rule("generation_tokens_total", C, "vllm:generation_tokens_total"),
+        # The API server's own count of answers by status (no engine label: DP engine "0").
+        Rule("responses_total", Kind.RESPONSE_CLASSES, "http_requests_total", source_label="status"),
     ),
 )
 

@@ -1,9 +1,9 @@
 """Parse one engine scrape and read its raw engine values (no time window yet).
 
 :func:`parse_exposition` runs ``prometheus_client.parser`` over the lines
-that can matter (those of a known engine prefix: ``python_gc_*``,
-``process_*`` and ``http_*`` series are dropped first, which halves the
-parse time of a real vLLM scrape). A malformed line does not lose the
+that can matter (those some rule reads: ``python_gc_*``, ``process_*``
+and ``http_*`` series other than ``http_requests_total`` are dropped
+first, which halves the parse time of a real vLLM scrape). A malformed line does not lose the
 scrape: the bad lines are found one by one, reported with their line number,
 and the rest is parsed.
 
@@ -21,7 +21,16 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmdiag.collectors.engine_names import AGGREGATION, DIALECTS, Dialect, Kind, Rule, canonical_name
+from llmdiag.collectors.engine_names import (
+    AGGREGATION,
+    DIALECTS,
+    UNCOUNTED_HANDLERS,
+    Dialect,
+    Kind,
+    Rule,
+    canonical_name,
+    response_class,
+)
 from llmdiag.collectors.histogram import CumulativeHistogram
 from llmdiag.model import label_key
 
@@ -227,6 +236,17 @@ def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[st
                     mine[k] = mine.get(k, 0.0) + v
 
             out[engine] = store
+
+    elif kind is Kind.RESPONSE_CLASSES:
+        for engine, rows in _group(parsed.series.get(name, []), rule.match, dialect).items():
+            classes: dict[str, float] = defaultdict(float)
+            for labels, value in rows:
+                cls = response_class(labels.get(rule.source_label or "status", ""))
+                if cls is None or not math.isfinite(value) or labels.get("handler") in UNCOUNTED_HANDLERS:
+                    continue
+                classes[label_key(**{"class": cls})] += value
+            if classes:
+                out[engine] = lambda r, d=dict(classes): r.labelled_counters.__setitem__(signal, d)
 
     elif kind is Kind.HISTOGRAM:
         buckets = _group(parsed.series.get(name + "_bucket", []), rule.match, dialect)

@@ -22,12 +22,12 @@ from llmdiag.config.gateway import GatewayConfig
 from llmdiag.config.cuda import CudaConfig
 from llmdiag.config.gpu import GpuConfig, ProcConfig
 from llmdiag.config.http2 import Http2Config
-from llmdiag.config.loader import ConfigError, build, to_data
-from llmdiag.config.picker import PickerConfig
+from llmdiag.config.loader import ConfigError, build, read_config_text, to_data, to_toml
+from llmdiag.config.picker import EnvoyConfig, PickerConfig
 from llmdiag.config.tcp import TcpConfig, TimewaitConfig
 from llmdiag.model import Backend
 
-__all__ = ["AgentConfig", "BackendEntry", "Config", "ConfigError", "load_config", "to_data"]
+__all__ = ["AgentConfig", "BackendEntry", "Config", "ConfigError", "load_config", "to_data", "to_toml"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class Config:
     http2: Http2Config = field(default_factory=Http2Config)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     picker: PickerConfig = field(default_factory=PickerConfig)
+    envoy: EnvoyConfig = field(default_factory=EnvoyConfig)
     backends: tuple[BackendEntry, ...] = ()
 
     def __post_init__(self) -> None:
@@ -86,8 +87,4 @@ def load_config(path: str | Path | None) -> Config:
     if path is None:
         return Config()
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
-    return Config.from_toml(text, source=str(p))
+    return Config.from_toml(read_config_text(p), source=str(p))

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 __all__ = [
+    "BackendDownConfig",
     "ClientTimeoutStormConfig",
     "ConnectionChurnConfig",
     "ConntrackPressureConfig",
@@ -84,6 +85,29 @@ class RuleConfig:
         _nonneg("hold_seconds", self.hold_seconds)
         _unit("penalty", self.penalty)
         _unit("critical_penalty", self.critical_penalty)
+
+
+@dataclass(frozen=True)
+class BackendDownConfig(RuleConfig):
+    """A backend that stopped answering: critical, penalty 1 (the balancer ejects it)."""
+
+    #: Failed scrapes must go on this long to open it: 1 s = two failed scrapes at the default
+    #: 1 s tick, so one lost scrape is not an outage.
+    for_seconds: float = 1.0
+    hold_seconds: float = 5.0
+    penalty: float = 1.0
+    critical_penalty: float = 1.0
+    #: It closes once the engine has answered every scrape for this long (the exit hysteresis).
+    recover_seconds: float = 3.0
+    #: Allocation failures, OOMs and preemptions within this many seconds before (and during)
+    #: the outage are quoted in the evidence, with the last KV, TTFT and GPU memory seen.
+    lookback_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _nonneg("recover_seconds", self.recover_seconds)
+        if not self.lookback_seconds > 0:
+            raise ValueError(f"lookback_seconds must be > 0, got {self.lookback_seconds}")
 
 
 @dataclass(frozen=True)
@@ -391,6 +415,7 @@ class DiagnosisConfig:
     #: A backend whose combined penalty reaches this is ``degraded`` (below: ``healthy``).
     degraded_penalty: float = 0.2
 
+    backend_down: BackendDownConfig = field(default_factory=BackendDownConfig)
     kv_cache_saturation: KvCacheSaturationConfig = field(default_factory=KvCacheSaturationConfig)
     queue_avalanche: QueueAvalancheConfig = field(default_factory=QueueAvalancheConfig)
     false_healthy: FalseHealthyConfig = field(default_factory=FalseHealthyConfig)

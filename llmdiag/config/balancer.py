@@ -184,6 +184,11 @@ class BalancerConfig:
     choices: int = 4
     #: Sample candidates with replacement (Envoy's P2C) instead of d distinct ones.
     with_replacement: bool = False
+    #: Pools of at most this many eligible backends are scanned in full instead of sampled (pick stays
+    #: O(d) above it). 0 = always sample d. 8 = 2 d: where d choices would sample half the pool or more,
+    #: a scan costs little more (~8 candidates, ~2 us) and never misses the best backend; measured in the
+    #: simulator on long prompts (issue 14 point 3, docs/benchmarks.md).
+    full_scan_up_to: int = 8
     #: effective = score / (1 + in_flight_penalty * load).
     in_flight_penalty: float = 0.1
     #: load = (pending prefill tokens + this prompt) * slowness / tokens_per_slot + in-flight requests.
@@ -208,8 +213,11 @@ class BalancerConfig:
     #: Consecutive successes needed in half-open to close, and probe successes to leave ejection.
     half_open_successes: int = 2
     probe_successes: int = 2
-    #: Requests admitted at once to a half-open backend.
+    #: Requests admitted at once to a half-open backend: at least this many ...
     half_open_max_in_flight: int = 1
+    #: ... or this share of the mean in-flight requests of the closed backends, whichever is more
+    #: (a recovered engine in a busy pool must not take one request at a time; issue 14).
+    half_open_share: float = 0.5
     #: Active probes: interval for healthy backends, interval while ejected/half-open, timeout.
     probe_interval_seconds: float = 30.0
     probe_ejected_interval_seconds: float = 5.0
@@ -225,6 +233,21 @@ class BalancerConfig:
     retry_statuses: tuple[int, ...] = (502, 503, 504)
     #: Also retry timeouts that happened before the first byte.
     retry_timeouts: bool = True
+    #: Diagnosis kinds whose penalty the balancer does not charge, because its own feedback already
+    #: measures the same fact (docs/balancer.md "What a penalty may carry"): slowness (measured prefill
+    #: speed, TTFT), KV and queue (the engine's metrics in the score), errors and timeouts (classified
+    #: responses). Charging them too counts one fact twice; the reasons are still reported.
+    self_observed_kinds: tuple[str, ...] = (
+        "gpu_throttling",
+        "kv_cache_saturation",
+        "queue_avalanche",
+        "false_healthy",
+        "error_burst",
+        "client_timeout_storm",
+    )
+    #: Diagnosis kinds that eject the backend (open its circuit) when reported, instead of scoring it;
+    #: probes re-admit it (one good probe after a refused connection).
+    eject_kinds: tuple[str, ...] = ("backend_down",)
     score: ScoreConfig = field(default_factory=ScoreConfig)
     errors: ErrorsConfig = field(default_factory=ErrorsConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
@@ -232,6 +255,8 @@ class BalancerConfig:
     def __post_init__(self) -> None:
         if self.choices < 0:
             raise ValueError(f"choices must be >= 0 (0 = all backends), got {self.choices}")
+        if self.full_scan_up_to < 0:
+            raise ValueError(f"full_scan_up_to must be >= 0, got {self.full_scan_up_to}")
         _non_negative("in_flight_penalty", self.in_flight_penalty)
         _positive("tokens_per_slot", self.tokens_per_slot)
         _unit("prefill_speed_alpha", self.prefill_speed_alpha)
@@ -240,6 +265,11 @@ class BalancerConfig:
         for key in ("consecutive_failures", "half_open_successes", "probe_successes", "half_open_max_in_flight"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        _unit("half_open_share", self.half_open_share)
+        for key in ("self_observed_kinds", "eject_kinds"):
+            for kind in getattr(self, key):
+                if not isinstance(kind, str) or not kind:
+                    raise ValueError(f"{key}: diagnosis kinds are non-empty strings, got {kind!r}")
         _positive("ejection_base_seconds", self.ejection_base_seconds)
         if self.ejection_max_seconds < self.ejection_base_seconds:
             raise ValueError(

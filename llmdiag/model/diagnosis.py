@@ -40,6 +40,7 @@ PENALTIES_SCHEMA = "llmdiag.penalties/v1"
 
 #: The diagnosis catalog (SPEC section 5).
 DIAGNOSIS_KINDS = (
+    "backend_down",
     "kv_cache_saturation",
     "queue_avalanche",
     "false_healthy",
@@ -90,12 +91,23 @@ def _check_unit(name: str, value: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Evidence:
-    """One measurement behind a diagnosis: the signal, its value, the threshold it crossed, and over what window."""
+    """One measurement behind a diagnosis: the signal, its value, the threshold it is held
+    against, and over what window.
+
+    ``window_seconds`` is ``None`` for a value read as it is now (a gauge, a last-seen value):
+    it has no window, and the JSON says ``null`` rather than a meaningless ``0``. While a
+    diagnosis is held open by hysteresis the rules give the *exit* threshold here, the one
+    that keeps it open, and say "holding" in the summary."""
 
     signal: str
     value: float | str | None
     threshold: float | str | None
-    window_seconds: float
+    window_seconds: float | None = None
+
+    @property
+    def window_text(self) -> str:
+        """How a person reads the window: ``30s``, or ``now`` for a current value."""
+        return "now" if self.window_seconds is None else f"{self.window_seconds:g}s"
 
     def to_json(self) -> dict[str, Any]:
         value = self.value
@@ -105,7 +117,8 @@ class Evidence:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Evidence:
-        return cls(obj["signal"], obj.get("value"), obj.get("threshold"), float(obj.get("window_seconds", 0.0)))
+        window = obj.get("window_seconds")
+        return cls(obj["signal"], obj.get("value"), obj.get("threshold"), None if window is None else float(window))
 
 
 @dataclass(frozen=True, slots=True)

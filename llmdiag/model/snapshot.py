@@ -24,8 +24,10 @@ import enum
 import gzip
 import io
 import json
+import logging
 import math
-from collections.abc import Iterable, Iterator, Mapping
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -277,18 +279,97 @@ def write_snapshots(path: str | Path, snapshots: Iterable[Snapshot], append: boo
     return count
 
 
-def read_snapshots(path: str | Path) -> Iterator[Snapshot]:
-    """Read a JSONL (optionally gzip) recording; a bad line raises :class:`SnapshotError` naming it."""
-    try:
-        with _open_text(Path(path), "r") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
+_READ_CHUNK = 1 << 16
+_log = logging.getLogger(__name__)
+
+
+class _RecordingBytes:
+    """The bytes of a recording, gunzipped when the name ends in ``.gz``.
+
+    Gzip is decoded member by member (``write_snapshots(append=True)`` adds one per
+    call), and a stream that stops before its end marker (the writer was killed, the
+    disk filled up) is not an error here: ``cut_short`` says so after iteration, and
+    the reader keeps what came before."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.cut_short = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        with open(self.path, "rb") as fh:
+            if self.path.suffix != ".gz":
+                while chunk := fh.read(_READ_CHUNK):
+                    yield chunk
+                return
+            yield from self._gunzip(fh)
+
+    def _gunzip(self, fh: IO[bytes]) -> Iterator[bytes]:
+        member = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        fed = False
+        while data := fh.read(_READ_CHUNK):
+            while data:
+                fed = True
                 try:
-                    yield Snapshot.loads(line)
-                except SnapshotError as exc:
-                    raise SnapshotError(f"{path}:{lineno}: {exc}") from None
+                    out = member.decompress(data)
+                except zlib.error as exc:
+                    raise SnapshotError(f"{self.path}: broken gzip file (corrupt data: {exc})") from None
+                if out:
+                    yield out
+                if not member.eof:
+                    break
+                data = member.unused_data  # the next member, if any
+                member = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+                fed = False
+        self.cut_short = fed and not member.eof
+
+
+def _parse_line(raw: bytes, path: str | Path, lineno: int) -> Snapshot:
+    try:
+        line = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise SnapshotError(f"{path}: not a text recording ({exc.reason} at byte {exc.start})") from None
-    except (gzip.BadGzipFile, EOFError) as exc:
-        raise SnapshotError(f"{path}: broken gzip file ({exc})") from None
+        raise SnapshotError(f"{path}:{lineno}: not a text recording ({exc.reason} at byte {exc.start})") from None
+    try:
+        return Snapshot.loads(line)
+    except SnapshotError as exc:
+        raise SnapshotError(f"{path}:{lineno}: {exc}") from None
+
+
+def read_snapshots(path: str | Path, on_cut_tail: Callable[[str], None] | None = None) -> Iterator[Snapshot]:
+    """Read a JSONL (optionally gzip) recording.
+
+    A bad line raises :class:`SnapshotError` naming it. A recording whose end was
+    cut off (the recorder was killed or the disk filled up: the last line has no
+    newline and does not parse, or the gzip stream stops early) yields every complete
+    snapshot and reports the cut with ``on_cut_tail(message)`` (default: a logged
+    warning). A recording without a single snapshot is a :class:`SnapshotError`
+    ("no snapshots in FILE"): no data must never read as a healthy run."""
+    source = _RecordingBytes(Path(path))
+    count = 0
+    lineno = 0
+    pending = b""
+    for chunk in source:
+        lines = (pending + chunk).split(b"\n")
+        pending = lines.pop()  # after the last newline: possibly a partial line
+        for raw in lines:
+            lineno += 1
+            if raw.strip():
+                yield _parse_line(raw, path, lineno)
+                count += 1
+    problems = []
+    if pending.strip():
+        lineno += 1
+        try:
+            snapshot = _parse_line(pending, path, lineno)
+        except SnapshotError:
+            problems.append(f"line {lineno} is cut off ({len(pending)} bytes, no newline)")
+        else:
+            yield snapshot
+            count += 1
+    if source.cut_short:
+        problems.insert(0, "broken gzip file: the stream ends early")
+    if count == 0:
+        raise SnapshotError(f"no snapshots in {path}" + (f" ({'; '.join(problems)})" if problems else ""))
+    if problems:
+        message = (f"{path}: {'; '.join(problems)}; was the recorder killed, or the disk full? "
+                   f"Replayed the {count} complete snapshot(s) before the cut")
+        (on_cut_tail or _log.warning)(message)

@@ -9,14 +9,17 @@
 - ``llmdiag_picker_failures_total{class}``: ``bad_request`` (400), ``body_too_large`` (413),
   ``unknown_model`` (404), ``no_backend`` (503), ``subset_unknown`` (503: the subset hint names no
   known backend), ``stream_reset`` (the stream ended before the response did: client gone, reset),
-  ``protocol`` (a message out of order);
+  ``protocol`` (a message out of order), ``internal`` (feedback or metrics raised: a bug, logged);
 - ``llmdiag_picker_responses_total{backend,class}``: the SPEC 3.2 classes of finished requests
   (``ok``, ``saturated_429``, ``client_ratelimit_429``, ``server_5xx``, ``timeout``, ``connect_error``,
   ``client_error``; requests that never finished count as ``client_error`` under status 499);
 - ``llmdiag_picker_gateway_ttft_seconds``: pick to the first response body chunk of streamed 2xx answers;
 - ``llmdiag_picker_streams_active``: ext_proc streams open now;
 - per backend from the balancer at scrape time: ``llmdiag_picker_backend_in_flight`` (picked, not
-  finished, by the picker's own count), ``llmdiag_picker_backend_load``, ``llmdiag_picker_backend_score``.
+  finished, by the picker's own count), ``llmdiag_picker_backend_load``, ``llmdiag_picker_backend_score``;
+- with node agents (``--agent``): ``llmdiag_picker_backend_penalty`` (the agents' penalty applied),
+  ``llmdiag_picker_agent_up{agent}`` (1 while its document is fresh),
+  ``llmdiag_picker_agent_fetch_errors_total{agent}``, ``llmdiag_picker_agent_stale_documents_total``.
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 __all__ = ["FAILURE_CLASSES", "PickerMetrics"]
 
 FAILURE_CLASSES = ("bad_request", "body_too_large", "unknown_model", "no_backend", "subset_unknown",
-                   "stream_reset", "protocol")
+                   "stream_reset", "protocol", "internal")
 
 _DECISION_BUCKETS = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 0.1)
 _LAG_BUCKETS = (10e-6, 100e-6, 1e-3, 10e-3, 0.1, 1.0, 10.0)
@@ -61,6 +64,34 @@ class _BackendGauges(Collector):
         yield score
 
 
+class _AgentGauges(Collector):
+    """The node agents' poll state, read at scrape time."""
+
+    def __init__(self, agents: Any) -> None:
+        self._agents = agents
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        agents = self._agents
+        penalty = GaugeMetricFamily("llmdiag_picker_backend_penalty", "Penalty 0..1 from the node agents, applied.",
+                                    labels=["backend"])
+        for name, value in agents.applied.items():
+            penalty.add_metric([name], value)
+        up = GaugeMetricFamily("llmdiag_picker_agent_up", "1 while the agent's penalties document is fresh.",
+                               labels=["agent"])
+        errors = CounterMetricFamily("llmdiag_picker_agent_fetch_errors", "Failed penalty fetches per agent.",
+                                     labels=["agent"])
+        for url, status in agents.agents.items():
+            up.add_metric([url], 1.0 if status.fresh else 0.0)
+            errors.add_metric([url], status.fetch_errors_total)
+        stale = CounterMetricFamily("llmdiag_picker_agent_stale_documents",
+                                    "Penalties documents found past their ttl (failed open).",
+                                    value=agents.stale_documents_total)
+        yield penalty
+        yield up
+        yield errors
+        yield stale
+
+
 class PickerMetrics:
     """Counters and histograms in their own registry; label children resolved once per backend."""
 
@@ -88,6 +119,10 @@ class PickerMetrics:
     def watch_backends(self, rows: Callable[[], Iterable[tuple[str, int, float, float]]]) -> None:
         """Register the scrape-time per-backend gauges: ``rows()`` yields (name, in_flight, load, score)."""
         self.registry.register(_BackendGauges(rows))
+
+    def watch_agents(self, agents: Any) -> None:
+        """Register the node agents' gauges (an :class:`~llmdiag.router_feedback.agent_penalties.AgentPenalties`)."""
+        self.registry.register(_AgentGauges(agents))
 
     def picked(self, backend: str) -> None:
         child = self._pick_children.get(backend)

@@ -66,50 +66,58 @@ SKIP_RESPONSE_BODY = _serialize(pb.ProcessingResponse(
 ))
 
 
-class ReplyCache:
-    """Serialised pick replies per endpoint, for both places a pick can happen.
+#: Where a pick happens, which decides the reply's shape.
+ON_BODY = 0  # the buffered body: a request_body reply
+ON_HEADERS = 1  # the headers of a request without a body: a request_headers reply
+ON_HEADERS_SKIP_BODY = 2  # the headers (model from a header): a request_headers reply that skips the body
 
-    A request with a body is picked on its (buffered) body; one without a body
-    on its headers. The reply sets the destination header (overwriting any
-    the client sent: a client must not choose the endpoint) and the
-    ``envoy.lb`` dynamic metadata. The cache is bounded by the backend set.
+
+class ReplyCache:
+    """Serialised pick replies per endpoint and place of the pick (see ``ON_*``).
+
+    The reply sets the destination header (overwriting any the client sent: a
+    client must not choose the endpoint) and the ``envoy.lb`` dynamic metadata.
+    The cache is bounded by the backend set.
     """
 
     def __init__(self) -> None:
-        self._on_headers: dict[str, bytes] = {}
-        self._on_body: dict[str, bytes] = {}
+        self._replies: tuple[dict[str, bytes], ...] = ({}, {}, {})
 
-    def on_headers(self, address: str) -> bytes:
-        reply = self._on_headers.get(address)
+    def pick(self, address: str, where: int) -> bytes:
+        cache = self._replies[where]
+        reply = cache.get(address)
         if reply is None:
-            reply = self._on_headers[address] = _pick_reply(address, on_body=False)
-        return reply
-
-    def on_body(self, address: str) -> bytes:
-        reply = self._on_body.get(address)
-        if reply is None:
-            reply = self._on_body[address] = _pick_reply(address, on_body=True)
+            reply = cache[address] = _pick_reply(address, where)
         return reply
 
     def retain(self, addresses: Iterable[str]) -> None:
         """Forget endpoints no longer in the backend set."""
         keep = set(addresses)
-        for cache in (self._on_headers, self._on_body):
+        for cache in self._replies:
             for address in [a for a in cache if a not in keep]:
                 del cache[address]
 
 
-def _pick_reply(address: str, on_body: bool) -> bytes:
+def _pick_reply(address: str, where: int) -> bytes:
     mutation = pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=address.encode()),
         append_action=_OVERWRITE,
     )])
     common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=False)
     response = pb.ProcessingResponse()
-    if on_body:
+    if where == ON_BODY:
         response.request_body.response.CopyFrom(common)
     else:
         response.request_headers.response.CopyFrom(common)
+    if where == ON_HEADERS_SKIP_BODY:
+        # The rest of the exchange without the request body; the response is watched as configured.
+        response.mode_override.CopyFrom(processing_mode_pb2.ProcessingMode(
+            request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+            request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+            response_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+            response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
+            response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+        ))
     response.dynamic_metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: address}})
     return _serialize(response)
 

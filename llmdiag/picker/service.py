@@ -4,7 +4,8 @@ Message flow for one request (Envoy ``processing_mode``: request headers
 SEND, request body BUFFERED, response headers SEND, response body STREAMED,
 trailers SKIP; ``allow_mode_override: true``)::
 
-    request_headers  -> continue; or, when the request has no body, pick now
+    request_headers  -> continue; or pick now when the request has no body, or when the gateway
+                        put the model in a header (``model_header``): then the body is skipped
     request_body     -> parse model and prompt, pick: destination header + envoy.lb metadata,
                         or an immediate 400 / 404 / 413 / 503 JSON answer
     response_headers -> note the status; a 2xx that is not a stream is finished here and the
@@ -28,16 +29,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from grpc.aio import EOF
 
 from llmdiag.config.picker import PickerConfig
 from llmdiag.model import Backend
 from llmdiag.picker import protocol
 from llmdiag.picker.metrics import PickerMetrics
-from llmdiag.picker.request import BadRequest, parse_request_body
+from llmdiag.picker.request import BadRequest, RequestInfo, parse_request_body
 from llmdiag.router_feedback.balancer import Balancer, NoBackendAvailable
 from llmdiag.router_feedback.errors import CONNECT_ERROR, TIMEOUT
 
@@ -79,8 +81,12 @@ class EndpointPickerService:
         self._models = frozenset(m for b in backends for m in b.models)
         self._wildcard = any(not b.models for b in backends)
         self.replies.retain(self._by_address)
-        for b in backends:
-            self.in_flight.setdefault(b.name, 0)
+        names = {b.name for b in backends}
+        # Forget backends that left and have nothing in flight (DNS discovery churns pod addresses).
+        for name in [n for n, count in self.in_flight.items() if n not in names and count <= 0]:
+            del self.in_flight[name]
+        for name in names:
+            self.in_flight.setdefault(name, 0)
 
     def _backend_rows(self) -> Iterable[tuple[str, int, float, float]]:
         balancer = self.balancer
@@ -93,16 +99,31 @@ class EndpointPickerService:
 
     # ------------------------------------------------------------- streams
 
-    async def process(self, requests: AsyncIterator[pb.ProcessingRequest], context: Any) -> AsyncIterator[bytes]:
-        """The ``Process`` RPC: yields serialised ``ProcessingResponse`` bytes (identity serializer)."""
+    async def process(self, requests: Any, context: Any) -> None:
+        """The ``Process`` RPC, on grpc.aio's ``context.read()``/``context.write()`` (cheaper than an async
+        generator per message). Replies are serialised ``ProcessingResponse`` bytes (identity serializer).
+
+        Bookkeeping that the reply does not depend on (feedback to the balancer, metrics) runs after the
+        reply is written, so it is off the request's path.
+        """
         exchange = _Exchange(self)
         metrics = self.metrics
         metrics.streams_active.inc()
+        read, write = context.read, context.write
         try:
-            async for request in requests:
+            while True:
+                request = await read()
+                if request is EOF:
+                    break
                 reply = exchange.handle(request)
                 if reply is not None:
-                    yield reply
+                    await write(reply)
+                if exchange.deferred:
+                    try:
+                        exchange.run_deferred()
+                    except Exception:  # noqa: BLE001 - the reply went out; never fail the request for bookkeeping
+                        metrics.failures["internal"].inc()
+                        log.exception("picker bookkeeping failed")
         finally:
             exchange.close()
             metrics.streams_active.dec()
@@ -113,7 +134,8 @@ class _Exchange:
 
     __slots__ = (
         "service", "subset", "body", "backend", "tokens", "picked_at", "status", "streaming", "first_token",
-        "error_body", "headers", "finished", "last_event_at", "answered",
+        "error_body", "headers", "finished", "last_event_at", "answered", "deferred", "finish_status", "ttft",
+        "decision_seconds",
     )
 
     def __init__(self, service: EndpointPickerService) -> None:
@@ -131,6 +153,10 @@ class _Exchange:
         self.finished = False
         self.answered = False  # the picker answered the client itself (no upstream request)
         self.last_event_at = 0.0
+        self.deferred = False  # feedback or metrics wait for run_deferred() (after the reply is written)
+        self.finish_status: int | str | None = None
+        self.ttft: float | None = None
+        self.decision_seconds: float | None = None
 
     def handle(self, request: pb.ProcessingRequest) -> bytes | None:
         kind = request.WhichOneof("request")
@@ -143,9 +169,7 @@ class _Exchange:
         if kind == "response_body":
             return self._response_body(request.response_body)
         if kind == "request_headers":
-            if request.request_headers.end_of_stream:
-                return self._decide(b"", on_body=False)
-            return protocol.CONTINUE_REQUEST_HEADERS
+            return self._request_headers(request.request_headers)
         if kind == "response_headers":
             return self._response_headers(request.response_headers)
         if kind == "request_trailers":
@@ -156,6 +180,25 @@ class _Exchange:
         return None
 
     # ------------------------------------------------------------ request
+
+    def _request_headers(self, headers: pb.HttpHeaders) -> bytes:
+        if headers.end_of_stream:  # no body (GET /v1/models, /health): any backend, picked now
+            return self._decide(b"", protocol.ON_HEADERS)
+        service = self.service
+        model_header = service.config.model_header
+        if model_header:
+            model = protocol.header_value(headers, model_header)
+            if model:
+                # Fast path: the gateway already put the model in a header (the inference gateways'
+                # body-based router does): pick now, from the body's size, and skip the body message.
+                length = protocol.header_value(headers, "content-length")
+                size = int(length) if length and length.isdigit() else 0
+                if size > service.config.max_body_bytes:
+                    return self._answer(413, "body_too_large", "request_too_large",
+                                        f"request body larger than {service.config.max_body_bytes} bytes")
+                tokens = int(size / service.config.chars_per_token + 0.5)
+                return self._pick(RequestInfo(model, tokens), protocol.ON_HEADERS_SKIP_BODY, time.perf_counter())
+        return protocol.CONTINUE_REQUEST_HEADERS
 
     def _request_body(self, body: pb.HttpBody) -> bytes:
         service = self.service
@@ -180,15 +223,18 @@ class _Exchange:
         if len(data) > service.config.max_body_bytes:
             return self._answer(413, "body_too_large", "request_too_large",
                                 f"request body larger than {service.config.max_body_bytes} bytes")
-        return self._decide(data, on_body=True)
+        return self._decide(data, protocol.ON_BODY)
 
-    def _decide(self, data: bytes, on_body: bool) -> bytes:
-        service = self.service
+    def _decide(self, data: bytes, where: int) -> bytes:
         started = time.perf_counter()
         try:
-            info = parse_request_body(data, service.config.chars_per_token)
+            info = parse_request_body(data, self.service.config.chars_per_token)
         except BadRequest as exc:
             return self._answer(400, "bad_request", "invalid_request_error", str(exc))
+        return self._pick(info, where, started)
+
+    def _pick(self, info: RequestInfo, where: int, started: float) -> bytes:
+        service = self.service
         if not service.serves(info.model):
             return self._answer(404, "unknown_model", "model_not_found",
                                 f"model {info.model!r} is not served by any backend of this pool")
@@ -208,9 +254,9 @@ class _Exchange:
         self.tokens = info.est_prompt_tokens
         self.picked_at = service.clock()
         service.in_flight[backend.name] = service.in_flight.get(backend.name, 0) + 1
-        service.metrics.picked(backend.name)
-        reply = service.replies.on_body(backend.address) if on_body else service.replies.on_headers(backend.address)
-        service.metrics.decision.observe(time.perf_counter() - started)
+        reply = service.replies.pick(backend.address, where)
+        self.decision_seconds = time.perf_counter() - started
+        self.deferred = True
         return reply
 
     def _answer(self, status: int, failure: str, error: str, message: str) -> bytes:
@@ -252,9 +298,8 @@ class _Exchange:
         now = self.last_event_at = service.clock()
         if self.streaming and not self.first_token and body.body:
             self.first_token = True
-            ttft = now - self.picked_at
-            service.balancer.on_first_token(self.backend, ttft, self.tokens)
-            service.metrics.ttft(self.backend.name, ttft)
+            self.ttft = now - self.picked_at
+            self.deferred = True
         elif self.error_body is not None:
             room = service.config.error_body_bytes - len(self.error_body)
             if room > 0:
@@ -266,11 +311,31 @@ class _Exchange:
     # ------------------------------------------------------------- finish
 
     def _finish(self, status: int | str) -> None:
+        """The request is over: report it (after the reply is written, see :meth:`run_deferred`)."""
         if self.finished or self.backend is None:
             return
         self.finished = True
+        self.finish_status = status
+        self.deferred = True
+
+    def run_deferred(self) -> None:
+        """Feedback and metrics of the messages handled so far; each runs once."""
+        self.deferred = False
         service = self.service
         backend = self.backend
+        if backend is None:
+            return
+        if self.decision_seconds is not None:
+            service.metrics.picked(backend.name)
+            service.metrics.decision.observe(self.decision_seconds)
+            self.decision_seconds = None
+        if self.ttft is not None:
+            ttft, self.ttft = self.ttft, None
+            service.balancer.on_first_token(backend, ttft, self.tokens)
+            service.metrics.ttft(backend.name, ttft)
+        if self.finish_status is None:
+            return
+        status, self.finish_status = self.finish_status, None
         body = bytes(self.error_body) if self.error_body else None
         if isinstance(status, int) and status >= 500 and body is not None:
             status = _envoy_local_failure(status, body)
@@ -285,15 +350,16 @@ class _Exchange:
 
     def close(self) -> None:
         """The stream ended (cleanly or not): finish a picked request exactly once."""
-        if self.backend is None or self.finished:
-            return
-        if self.status is not None and self.status >= 400:
-            self._finish(self.status)  # the error status was seen; its body may be partial
-            return
-        self.service.metrics.failures["stream_reset"].inc()
-        if not self.last_event_at:
-            self.last_event_at = self.service.clock()
-        self._finish(CLIENT_CLOSED)
+        if self.backend is not None and not self.finished:
+            if self.status is not None and self.status >= 400:
+                self._finish(self.status)  # the error status was seen; its body may be partial
+            else:
+                self.service.metrics.failures["stream_reset"].inc()
+                if not self.last_event_at:
+                    self.last_event_at = self.service.clock()
+                self._finish(CLIENT_CLOSED)
+        if self.deferred:
+            self.run_deferred()
 
 
 def _envoy_local_failure(status: int, body: bytes) -> int | str:

@@ -5,7 +5,7 @@ on its model with a ``probe_timeout_seconds`` (5 s) timeout, independent of
 user traffic. Ejected and half-open backends are probed every
 ``probe_ejected_interval_seconds`` (5 s), so ``probe_successes`` (2) good
 probes in a row bring an ejected backend back to half-open without waiting
-out the ejection. Results go to :meth:`Balancer.on_probe`.
+out the ejection (one, after a refused connection: the engine restarted). Results go to :meth:`Balancer.on_probe`.
 
 The HTTP client is injected (:class:`ProbeClient`); :class:`AiohttpProbeClient`
 is the real one: ``POST {url}/v1/completions`` with ``max_tokens: 1``.
@@ -39,6 +39,9 @@ class ProbeResult:
     latency_seconds: float | None = None
     status: int | None = None
     detail: str = ""
+    #: The connection was refused: nothing listens (the engine process is gone). Its end is strong
+    #: evidence, so the balancer re-admits on the first good probe after one (issue 14).
+    refused: bool = False
 
 
 class ProbeClient(Protocol):
@@ -96,7 +99,10 @@ class AiohttpProbeClient:
         except asyncio.TimeoutError:
             return ProbeResult(False, time.perf_counter() - started, None, f"timeout after {timeout:g} s")
         except (aiohttp.ClientError, OSError, ValueError) as exc:
-            return ProbeResult(False, time.perf_counter() - started, None, f"{type(exc).__name__}: {exc}")
+            refused = isinstance(exc, ConnectionRefusedError) or isinstance(
+                getattr(exc, "os_error", None), ConnectionRefusedError
+            )
+            return ProbeResult(False, time.perf_counter() - started, None, f"{type(exc).__name__}: {exc}", refused)
 
     async def _first_model(self, session: Any, backend: Backend, timeout: Any) -> str | None:
         async with session.get(f"{backend.url}/v1/models", timeout=timeout) as resp:
@@ -162,7 +168,7 @@ class ProbeRunner:
             if not result.ok:
                 self.probe_failures_total += 1
                 log.info("probe of %s failed: %s", backend.name, result.detail or result.status)
-            self._balancer.on_probe(backend, result.ok)
+            self._balancer.on_probe(backend, result.ok, refused=result.refused)
             out[backend.name] = result
         return out
 

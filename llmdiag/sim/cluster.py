@@ -12,8 +12,10 @@ Per run:
   attempt, and tells the policy;
 - metrics are scraped every ``scrape_interval_s`` into ``GatewayView.scraped``
   (only when a policy reads them);
-- a node agent model ticks every ``agent_tick_s`` and its penalties reach the
-  policy ``penalty_delay_s`` later (only for llmdiag);
+- the node agent (the real analyzers on simulated snapshots,
+  :mod:`llmdiag.sim.node_agent`) ticks every ``agent_tick_s`` and its
+  penalties reach the policy ``penalty_delay_s`` later (only for policies that
+  take them: llmdiag);
 - clients cancel requests that had no first token after ``client_timeout_s``;
 - faults change engines at their scheduled instants.
 
@@ -35,7 +37,7 @@ from llmdiag.sim.engine_model import EngineModel, EnginePreset, SimRequest
 from llmdiag.sim.faults import FaultSchedule
 from llmdiag.sim.metrics import RunMetrics, RunResult
 from llmdiag.sim.node_agent import NodeAgentModel
-from llmdiag.sim.policies import NO_DEPLOYMENTS_BODY, GatewayView, LiteLLMLatency, Outcome, Policy, make_policy
+from llmdiag.sim.policies import LLMDIAG, NO_DEPLOYMENTS_BODY, GatewayView, LiteLLMLatency, Outcome, Policy, make_policy
 from llmdiag.sim.workload import Trace
 
 __all__ = ["EngineSpec", "SimConfig", "ClusterSim", "measure_capacity", "CLIENT_QUOTA_BODY"]
@@ -121,7 +123,7 @@ class ClusterSim:
         ]
         self.gw = GatewayView(self.engines)
         options = dict(policy_options or {})
-        if policy == "llmdiag":
+        if policy in LLMDIAG:
             options.setdefault("signal_interval_s", cfg.llmdiag_signal_interval_s)
         self.policy: Policy = make_policy(policy, self.gw, random.Random(seed * 7919 + 1), self._clock, **options)
         self.agent = NodeAgentModel(self.engines, tick_s=cfg.agent_tick_s) if self.policy.needs_penalties else None
@@ -305,11 +307,14 @@ class ClusterSim:
             gw_pending = self.gw.pending_prefill
             on_first = self.policy.on_first_token
             mfirst = self.metrics.first_token
+            agent = self.agent
             for req in first:
                 if req.status:
                     continue
                 gw_pending[i] -= req.prompt
                 on_first(i, req, now - req.dispatched_at, now)
+                if agent is not None:
+                    agent.first_token(i, now - req.dispatched_at)
                 mfirst(req, now)
         if finished:
             ok = _OK

@@ -83,9 +83,6 @@ class StepTimeModel:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"step model {name} must be >= 0, got {getattr(self, name)!r}")
 
-    def step_time(self, prefill_tokens: int, decode_seqs: int, decode_ctx_tokens: int) -> float:
-        return self.t0 + self.a * prefill_tokens + self.b * decode_seqs + self.c * decode_ctx_tokens
-
 
 @dataclass(frozen=True, slots=True)
 class EnginePreset:

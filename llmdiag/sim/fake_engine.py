@@ -11,7 +11,10 @@ generators and llmdiag's own collectors to treat it as an engine:
 - ``GET /metrics`` in Prometheus text format with vLLM V1 names
   (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
   ``vllm:time_to_first_token_seconds`` ...), labels ``model_name`` and
-  ``engine``.
+  ``engine``, and the API server's ``http_requests_total{handler,method,status}``
+  with statuses grouped ``2xx``/``4xx``/``5xx``, as vLLM's
+  prometheus-fastapi-instrumentator counts them (``/metrics`` and ``/health``
+  are not counted).
 
 Token counts: a request may give ``prompt_tokens`` (an extension field; load
 generators replaying traces use it), else the prompt is counted as one token
@@ -32,6 +35,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -40,6 +44,9 @@ from prometheus_client.registry import Collector
 
 from llmdiag.sim.engine_model import CRASH_BODY, DECODE, PRESETS, WAITING, EngineModel, SimRequest
 from llmdiag.sim.faults import FaultSchedule
+
+if TYPE_CHECKING:
+    from llmdiag.sim.fake_engine_grpc import GrpcFrontend
 
 __all__ = ["FakeEngine", "FakeEngineOptions"]
 
@@ -66,6 +73,8 @@ class FakeEngineOptions:
     faults: FaultSchedule = field(default_factory=FaultSchedule)
     engine_label: str = "0"
     seed: int = 0
+    #: also serve the h2c gRPC streaming Generate method on this port (0 picks one; None: no gRPC)
+    grpc_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.profile not in PRESETS:
@@ -129,6 +138,8 @@ class FakeEngine:
         self._site: web.TCPSite | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.port = options.port
+        self.grpc: GrpcFrontend | None = None
+        self.grpc_port: int | None = None
         self._build_metrics()
 
     def _build_metrics(self) -> None:
@@ -150,12 +161,16 @@ class FakeEngine:
                               labels, buckets=E2E_BUCKETS, registry=reg).labels(*lv)
         self._queue_time = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase.",
                                      labels, buckets=E2E_BUCKETS, registry=reg).labels(*lv)
+        # vLLM's API server: Instrumentator(excluded_handlers=["/metrics", "/health", ...]) with
+        # status codes grouped, counted when the response (a whole stream) is done.
+        self._http_requests = Counter("http_requests", "Total number of requests by method, status and handler.",
+                                      ["handler", "method", "status"], registry=reg)
         reg.register(_GaugeCollector(self))
         self._preemptions_seen = self.model.preemptions_total
 
     # ----------------------------------------------------------------- server
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._count_http_requests])
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
@@ -167,6 +182,11 @@ class FakeEngine:
         """Bind the port (0 picks one: see :attr:`port`) and start the engine loop."""
         self._t0 = self.clock()
         await self._listen()
+        if self.options.grpc_port is not None:
+            from llmdiag.sim.fake_engine_grpc import GrpcFrontend  # noqa: PLC0415 - grpcio only when asked
+
+            self.grpc = GrpcFrontend(self)
+            self.grpc_port = await self.grpc.start(self.options.host, self.options.grpc_port)
         self._tasks = [asyncio.create_task(self._engine_loop()), asyncio.create_task(self._fault_loop())]
 
     async def _listen(self) -> None:
@@ -197,6 +217,8 @@ class FakeEngine:
                 pass
         for stream in list(self._streams.values()):
             stream.queue.put_nowait(None)
+        if self.grpc is not None:
+            await self.grpc.stop()
         await self._die()
 
     @property
@@ -206,6 +228,27 @@ class FakeEngine:
     def now(self) -> float:
         """Seconds since start: the engine model's and the fault schedule's time axis."""
         return self.clock() - self._t0
+
+    @web.middleware
+    async def _count_http_requests(self, request: web.Request, handler):  # type: ignore[no-untyped-def]
+        resource = request.match_info.route.resource
+        path = resource.canonical if resource is not None else None
+        if path in (None, "/metrics", "/health"):
+            return await handler(request)
+        status: int | None = None  # stays None for a cancelled handler (client gone): not counted
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except Exception:
+            status = 500  # aiohttp answers an unhandled exception with a 500
+            raise
+        finally:
+            if status is not None:
+                self._http_requests.labels(path, request.method, f"{status // 100}xx").inc()
 
     # --------------------------------------------------------------- handlers
     async def _health(self, request: web.Request) -> web.Response:

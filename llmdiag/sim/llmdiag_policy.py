@@ -33,7 +33,7 @@ from llmdiag.router_feedback.probes import ProbeResult, ProbeRunner
 from llmdiag.sim.engine_model import SimRequest
 from llmdiag.sim.policies import GatewayView, Outcome, Policy
 
-__all__ = ["LlmdiagPolicy", "MODEL", "SimProbeClient"]
+__all__ = ["LlmdiagNoPenaltiesPolicy", "LlmdiagPolicy", "MODEL", "SimProbeClient"]
 
 MODEL = "sim-model"
 
@@ -49,7 +49,7 @@ class SimProbeClient:
     async def probe(self, backend: Backend, model: str | None, timeout: float) -> ProbeResult:
         engine = self._gw.engines[self._index[backend.name]]
         if engine.down:
-            return ProbeResult(False, None, None, "connection refused")
+            return ProbeResult(False, None, None, "connection refused", refused=True)
         wait = engine.estimate_ttft(1, self._clock())
         if wait > timeout:
             return ProbeResult(False, None, None, f"timeout after {timeout:g} s")
@@ -136,3 +136,14 @@ class LlmdiagPolicy(Policy):
         if self._loop is not None:
             self._loop.close()
             self._loop = None
+
+
+class LlmdiagNoPenaltiesPolicy(LlmdiagPolicy):
+    """The same balancer without the node agents' penalties: the gateway's own view and the engine metrics.
+
+    Run next to ``llmdiag`` to see what the penalties add (issue 14: they must
+    never make a fault the gateway can see for itself worse).
+    """
+
+    name = "llmdiag_no_penalties"
+    needs_penalties = False

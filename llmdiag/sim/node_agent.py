@@ -1,112 +1,114 @@
-"""A model of the llmdiag node agent for the simulator: what it could see on a
-GPU host, turned into penalties with hysteresis.
+"""The node agent in the simulator: the real analyzers on snapshots of what an agent would collect.
 
-It reads only what a real agent reads on the node: GPU throttling (NVML
-throttle reasons while busy), the engine's ``/metrics`` (KV usage, waiting
-queue, preemptions) and client cancellations (RST_STREAM/peer closes seen by
-BPF). It does not see the gateway's status codes, client quotas, crashes of
-the process (that is the gateway's connect errors) or 5xx bodies.
+Each tick (``tick_s``, 1 s like the agent) builds one
+:class:`~llmdiag.model.Snapshot` from the simulated engines, as the real
+collectors would fill it on the GPU hosts, and runs the real
+:class:`~llmdiag.analyzers.Analyzer` (the diagnosis catalog at the
+``[diagnosis]`` configuration given, default :class:`DiagnosisConfig`) over it.
+The penalties and reasons it returns per backend are what the simulator
+delivers to the balancer ``penalty_delay_s`` later (the agent publishes, the
+gateway pulls). Nothing here decides a penalty: thresholds, hysteresis,
+severities and penalties are the product's own (issue 14 point 4).
 
-Rules follow the diagnosis catalog (SPEC 5) at their default thresholds:
+What goes into the snapshot (only what a real agent sees on the node):
 
-=====================  ==============================================================  =======
-kind                   opens when (evaluated each ``tick_s``)                          penalty
-=====================  ==============================================================  =======
-gpu_throttling         slowdown active while the engine has running requests           0.30
-kv_cache_saturation    KV usage >= 0.85 for 3 s, or preemptions rose since last tick   0.25
-queue_avalanche        waiting >= 30, or waiting rising 3 ticks in a row and >= 5      0.40
-client_timeout_storm   >= 3 client cancels in the last 5 s                              0.30
-=====================  ==============================================================  =======
+- engine ``/metrics``: ``up`` (0 while the process is down: nothing answers the
+  scrape), ``kv_cache_usage``, ``requests_waiting``, ``requests_running``,
+  ``preemptions_total`` and ``ttft_seconds`` (an EWMA of the engine's first
+  token times, as the engine collector derives it from the histogram);
+- NVML, one GPU per engine (``Backend.gpus``): ``gpu_utilization`` (1 while
+  the engine has running requests) and ``throttle_reasons`` (thermal slowdown
+  while a ``slowdown`` fault is on);
+- BPF: ``tcp_peer_closes_total``, the clients that hung up on the engine.
 
-A diagnosis closes ``hold_s`` (5 s) after its condition last held, so it does
-not flap. The penalty ``1 - prod(1 - p_i)`` is what the simulator delivers to
-the balancer ``delay_s`` later (the agent publishes, the gateway pulls).
+Not seen: the gateway's status codes, client quotas, 5xx bodies.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 
-from llmdiag.model import Reason, Severity
+from llmdiag.analyzers.analyzer import Analyzer
+from llmdiag.config.analyzers import DiagnosisConfig
+from llmdiag.model import Backend, Distribution, Labelled, Reason, Snapshot
 from llmdiag.sim.engine_model import EngineModel
 
-__all__ = ["NodeAgentModel", "RULE_PENALTIES"]
+__all__ = ["NodeAgentModel"]
 
-RULE_PENALTIES = {
-    "gpu_throttling": 0.30,
-    "kv_cache_saturation": 0.25,
-    "queue_avalanche": 0.40,
-    "client_timeout_storm": 0.30,
-}
-
-
-class _EngineWatch:
-    __slots__ = ("kv_high_since", "last_preemptions", "waiting_hist", "cancels", "open_until")
-
-    def __init__(self) -> None:
-        self.kv_high_since: float | None = None
-        self.last_preemptions = 0
-        self.waiting_hist: deque[int] = deque(maxlen=4)
-        self.cancels: deque[float] = deque()
-        self.open_until: dict[str, float] = {}
+#: EWMA weight of each first token in the engine's ``ttft_seconds`` (the engine collector's alpha).
+TTFT_ALPHA = 0.2
+_THROTTLED = Labelled({"reason=sw_thermal_slowdown": 1.0})
+_NOT_THROTTLED = Labelled({})
 
 
 class NodeAgentModel:
-    def __init__(self, engines: Sequence[EngineModel], tick_s: float = 1.0, hold_s: float = 5.0) -> None:
+    """Runs the real analyzer over the simulated engines; ``tick`` returns the penalties that changed."""
+
+    def __init__(
+        self,
+        engines: Sequence[EngineModel],
+        tick_s: float = 1.0,
+        config: DiagnosisConfig | None = None,
+        names: Sequence[str] | None = None,
+    ) -> None:
         self.engines = engines
         self.tick_s = tick_s
-        self.hold_s = hold_s
-        self._watch = [_EngineWatch() for _ in engines]
-        self.last: list[float] = [0.0] * len(engines)
+        self.names = list(names) if names is not None else [e.name or f"engine-{i}" for i, e in enumerate(engines)]
+        backends = [
+            Backend(name=name, url=f"http://10.0.{i // 250}.{i % 250 + 1}:8000", engine="vllm", gpus=(str(i),))
+            for i, name in enumerate(self.names)
+        ]
+        self.analyzer = Analyzer(config or DiagnosisConfig(), backends=backends)
+        n = len(engines)
+        self._cancels = [0] * n
+        self._ttft: list[float | None] = [None] * n
+        self.last: list[tuple[float, tuple[Reason, ...]]] = [(0.0, ())] * n
 
     def client_cancel(self, i: int, now: float) -> None:
-        self._watch[i].cancels.append(now)
+        """A client hung up on engine ``i`` (its TCP peer close is what BPF counts)."""
+        self._cancels[i] += 1
+
+    def first_token(self, i: int, ttft: float) -> None:
+        """Engine ``i`` produced a first token ``ttft`` seconds after the request arrived."""
+        old = self._ttft[i]
+        self._ttft[i] = ttft if old is None else TTFT_ALPHA * ttft + (1.0 - TTFT_ALPHA) * old
+
+    def snapshot(self, now: float) -> Snapshot:
+        """What the agent's collectors would put in one snapshot at ``now``."""
+        backends = {}
+        gpus = {}
+        for i, (name, eng) in enumerate(zip(self.names, self.engines)):
+            if eng.down:
+                backends[name] = {"up": 0.0, "tcp_peer_closes_total": float(self._cancels[i])}
+                gpus[str(i)] = {"gpu_utilization": 0.0, "throttle_reasons": _NOT_THROTTLED}
+                continue
+            running = len(eng.running)
+            signals = {
+                "up": 1.0,
+                "kv_cache_usage": eng.kv_usage,
+                "requests_waiting": float(eng.num_waiting),
+                "requests_running": float(running),
+                "preemptions_total": float(eng.preemptions_total),
+                "tcp_peer_closes_total": float(self._cancels[i]),
+            }
+            if self._ttft[i] is not None:
+                signals["ttft_seconds"] = Distribution(ewma=self._ttft[i])
+            backends[name] = signals
+            busy = 1.0 if running else 0.0
+            gpus[str(i)] = {
+                "gpu_utilization": busy,
+                "throttle_reasons": _THROTTLED if eng.slowdown > 1.0 else _NOT_THROTTLED,
+            }
+        return Snapshot(ts=now, hostname="sim", backends=backends, gpus=gpus)
 
     def tick(self, now: float) -> list[tuple[int, float, tuple[Reason, ...]]]:
-        """Evaluate every engine; return ``(engine, penalty, reasons)`` for those whose penalty changed."""
+        """Observe one snapshot; return ``(engine, penalty, reasons)`` for the backends whose penalty changed."""
+        result = self.analyzer.observe(self.snapshot(now))
         changed: list[tuple[int, float, tuple[Reason, ...]]] = []
-        for i, (eng, w) in enumerate(zip(self.engines, self._watch)):
-            firing: dict[str, str] = {}
-            if not eng.down:
-                if eng.slowdown > 1.0 and eng.running:
-                    firing["gpu_throttling"] = f"GPU throttled: clocks at {1 / eng.slowdown:.0%} while busy"
-                kv = eng.kv_usage
-                if kv >= 0.85:
-                    if w.kv_high_since is None:
-                        w.kv_high_since = now
-                else:
-                    w.kv_high_since = None
-                preempted = eng.preemptions_total > w.last_preemptions
-                w.last_preemptions = eng.preemptions_total
-                if preempted or (w.kv_high_since is not None and now - w.kv_high_since >= 3.0):
-                    firing["kv_cache_saturation"] = f"KV cache {kv:.0%} used" + (", preempting" if preempted else "")
-                waiting = eng.num_waiting
-                w.waiting_hist.append(waiting)
-                hist = w.waiting_hist
-                rising = len(hist) == hist.maxlen and all(b > a for a, b in zip(hist, list(hist)[1:]))
-                if waiting >= 30 or (rising and waiting >= 5):
-                    firing["queue_avalanche"] = f"{waiting} requests waiting" + (" and rising" if rising else "")
-            else:
-                w.waiting_hist.clear()
-                w.kv_high_since = None
-            while w.cancels and w.cancels[0] < now - 5.0:
-                w.cancels.popleft()
-            if len(w.cancels) >= 3:
-                firing["client_timeout_storm"] = f"{len(w.cancels)} client cancels in 5 s"
-            for kind in firing:
-                w.open_until[kind] = now + self.hold_s
-            reasons = []
-            keep = 1.0
-            for kind, until in sorted(w.open_until.items()):
-                if until <= now:
-                    continue
-                p = RULE_PENALTIES[kind]
-                keep *= 1.0 - p
-                reasons.append(Reason(kind, Severity.WARNING, p, firing.get(kind, "holding")))
-            w.open_until = {k: u for k, u in w.open_until.items() if u > now}
-            penalty = round(1.0 - keep, 6)
-            if penalty != self.last[i]:
-                self.last[i] = penalty
-                changed.append((i, penalty, tuple(reasons)))
+        for i, name in enumerate(self.names):
+            health = result.backends.get(name)
+            current = (round(health.penalty, 6), health.reasons) if health is not None else (0.0, ())
+            if current != self.last[i]:
+                self.last[i] = current
+                changed.append((i, current[0], current[1]))
         return changed

@@ -34,7 +34,8 @@ Peers and where their defaults come from (docs/simulator.md has the longer story
   :class:`LiteLLMLatency`: per-token TTFT logged at completion, 10-entry lists,
   unmeasured deployments first, 5 s cooldown past 50 % failures in a minute,
   429 when all are cooling).
-- ``llmdiag``: the real :class:`llmdiag.router_feedback.balancer.Balancer`.
+- ``llmdiag``: the real :class:`llmdiag.router_feedback.balancer.Balancer`;
+  ``llmdiag_no_penalties`` is the same without the node agents' penalties.
 
 References (not peers): ``oracle`` (true state, lowest estimated TTFT) and
 ``least_pending_prefill`` (fewest gateway-counted prompt tokens awaiting their
@@ -416,19 +417,21 @@ _CLASSES: dict[str, type[Policy]] = {
 }
 
 
-def _llmdiag_class() -> type[Policy]:
-    from llmdiag.sim.llmdiag_policy import LlmdiagPolicy
+def _llmdiag_class(name: str) -> type[Policy]:
+    from llmdiag.sim.llmdiag_policy import LlmdiagNoPenaltiesPolicy, LlmdiagPolicy
 
-    return LlmdiagPolicy
+    return LlmdiagPolicy if name == "llmdiag" else LlmdiagNoPenaltiesPolicy
 
 
-POLICIES = ("llmdiag", *PEERS, *REFERENCES)
+#: llmdiag and its variants (the same balancer, fed differently).
+LLMDIAG = ("llmdiag", "llmdiag_no_penalties")
+POLICIES = ("llmdiag", *PEERS, *REFERENCES, "llmdiag_no_penalties")
 
 
 def make_policy(name: str, gw: GatewayView, rng: random.Random, clock: Callable[[], float], **options: Any) -> Policy:
     """Build a policy by name; ValueError names the known ones."""
-    if name == "llmdiag":
-        return _llmdiag_class()(gw, rng, clock, **options)
+    if name in LLMDIAG:
+        return _llmdiag_class(name)(gw, rng, clock, **options)
     cls = _CLASSES.get(name)
     if cls is None:
         raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")

@@ -15,7 +15,13 @@ saturation_429      engines answer 429 (saturation body) when 8 requests are alr
 crash_restart       engine 0 crashes at minute 2, is down 30 s, then warms up (3x slower, 30 s)
 client_quota_429    10 % of requests come from a tenant over its own quota: every backend
                     answers them 429 "rate limit exceeded for api key" (not the backend's fault)
+kv_bound            nothing fails, but each engine's KV cache holds only 200,000 tokens
+                    (``KV_BOUND_TOKENS``): with long prompts (mooncake_synthetic) the cache binds
+crash_restart_kv    crash_restart with the KV cache of kv_bound (issue 14: re-admission while the
+                    other engines are KV-bound)
 ==================  ===========================================================================
+
+``--kv-tokens`` overrides the KV capacity of every scenario, kv_bound's included.
 
 Faults start at minute 2 (``FAULT_AT``); runs shorter than that see none.
 """
@@ -34,9 +40,14 @@ from llmdiag.sim.metrics import RunResult
 from llmdiag.sim.policies import POLICIES
 from llmdiag.sim.workload import Trace, load_trace, scale_to_rate
 
-__all__ = ["DEFAULT_PRESET", "SCENARIOS", "ScenarioResult", "build_scenario", "run_scenario"]
+__all__ = ["DEFAULT_PRESET", "KV_BOUND_TOKENS", "SCENARIOS", "ScenarioResult", "build_scenario", "run_scenario"]
 
-SCENARIOS = ("clean", "heterogeneous", "slow_replica", "kv_storm", "saturation_429", "crash_restart", "client_quota_429")
+SCENARIOS = (
+    "clean", "heterogeneous", "slow_replica", "kv_storm", "saturation_429", "crash_restart", "client_quota_429",
+    "kv_bound", "crash_restart_kv",
+)
+#: KV cache per engine (tokens) of the KV-bound scenarios, unless ``kv_capacity_tokens`` is given.
+KV_BOUND_TOKENS = 200_000
 DEFAULT_PRESET = "llama-70b-h100-tp4"
 FAULT_AT = 120.0
 _A100_OF = {
@@ -103,6 +114,8 @@ def build_scenario(
         raise ValueError("utilization must be in (0, 2]")
     main = PRESETS[preset]
     presets = [main] * instances
+    if scenario in ("kv_bound", "crash_restart_kv") and kv_capacity_tokens is None:
+        kv_capacity_tokens = KV_BOUND_TOKENS
     if scenario == "heterogeneous":
         other = PRESETS[_A100_OF[preset]]
         presets = [main if i % 2 == 0 else other for i in range(instances)]
@@ -110,7 +123,7 @@ def build_scenario(
     config = SimConfig()
     if scenario == "slow_replica":
         specs[0] = replace(specs[0], faults=FaultSchedule((Fault("slowdown", FAULT_AT, speed=0.4),)))
-    elif scenario == "crash_restart":
+    elif scenario in ("crash_restart", "crash_restart_kv"):
         specs[0] = replace(
             specs[0], faults=FaultSchedule((Fault("crash", FAULT_AT, duration=30.0, warmup_s=30.0, warmup_factor=3.0),))
         )

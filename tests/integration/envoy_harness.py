@@ -20,11 +20,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from llmdiag.picker.bootstrap import envoy_bootstrap
 
 REPO = Path(__file__).resolve().parents[2]
 
-__all__ = ["ENVOY", "Proc", "envoy_binary", "free_port", "start_envoy", "start_fake_engine", "start_picker", "http"]
+__all__ = ["ENVOY", "Proc", "envoy_binary", "free_port", "http", "require_tool", "start_envoy", "start_fake_engine",
+           "start_picker"]
 
 
 def envoy_binary() -> str | None:
@@ -36,6 +39,15 @@ def envoy_binary() -> str | None:
 
 
 ENVOY = envoy_binary()
+
+
+def require_tool(ok: bool, what: str) -> None:
+    """Skip when a needed tool is absent; fail in CI (``LLMDIAG_REQUIRE_BPF=1``), whose set-up installs it."""
+    if ok:
+        return
+    if os.environ.get("LLMDIAG_REQUIRE_BPF") == "1":
+        pytest.fail(f"{what} is missing; scripts/setup.sh installs it", pytrace=False)
+    pytest.skip(f"{what} is missing")
 
 
 def free_port() -> int:
@@ -130,7 +142,7 @@ def start_envoy(tmp: Path, policy: str, *, picker_port: int = 0, endpoints: tupl
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(config, indent=1))
     base_id = 20000 + (os.getpid() * 7 + listen) % 40000
-    proc = Proc([ENVOY, "-c", str(path), "--base-id", str(base_id), "--log-level", "warn",
+    proc = Proc([ENVOY, "-c", str(path), "--base-id", str(base_id), "--log-level", os.environ.get("ENVOY_LOG_LEVEL", "warn"),
                  "--concurrency", "1", "--disable-hot-restart"], tmp / f"{name}.log")
     wait_http(f"http://127.0.0.1:{admin}/ready", 30, proc)
     return proc, listen, admin

@@ -20,7 +20,7 @@ def doctor() -> tuple[int, dict[str, dict[str, str]]]:
                           capture_output=True, text=True, timeout=120)
     doc = json.loads(proc.stdout)
     for check in doc["checks"]:
-        assert set(check) == {"name", "status", "detail", "hint"}
+        assert set(check) == {"name", "status", "detail", "hint", "optional"}
         assert check["status"] in {"ok", "degraded", "unavailable"}
         if check["status"] != "ok":
             assert check["hint"], f"{check['name']} is {check['status']} without a hint"

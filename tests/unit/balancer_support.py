@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 
 from llmdiag.config.balancer import BalancerConfig
@@ -23,17 +24,30 @@ class VirtualClock:
 
 
 class ScriptedRandom:
-    """A ``random.Random`` stand-in that returns the scripted ``random()`` values in order."""
+    """A ``random.Random`` stand-in that returns scripted ``random()`` values in order.
 
-    def __init__(self, values: Iterable[float]) -> None:
+    Inject it through the constructor (``Balancer(..., rng=scripted)``), then call
+    :meth:`script` right before the calls it should steer; ``calls`` counts the draws
+    since. Past the script, draws come from ``fallback`` when one is given, and are an
+    error otherwise (so an unexpected draw fails the test instead of passing silently)."""
+
+    def __init__(self, values: Iterable[float] = (), fallback: random.Random | None = None) -> None:
+        self.values = list(values)
+        self.fallback = fallback
+        self.calls = 0
+
+    def script(self, values: Iterable[float]) -> None:
+        """Queue ``values`` for the next draws and restart the ``calls`` count."""
         self.values = list(values)
         self.calls = 0
 
     def random(self) -> float:
-        if not self.values:
-            raise AssertionError(f"scripted RNG ran out after {self.calls} calls")
         self.calls += 1
-        return self.values.pop(0)
+        if self.values:
+            return self.values.pop(0)
+        if self.fallback is not None:
+            return self.fallback.random()
+        raise AssertionError(f"scripted RNG ran out after {self.calls - 1} calls")
 
 
 def fleet(n: int, models: tuple[str, ...] = ("m",)) -> list[Backend]:
@@ -48,8 +62,6 @@ def warmed(balancer: Balancer, clock: VirtualClock) -> Balancer:
 
 def make(n: int = 2, config: BalancerConfig | None = None, rng=None, clock: VirtualClock | None = None,
          models: tuple[str, ...] = ("m",)) -> tuple[Balancer, VirtualClock]:
-    import random
-
     clock = clock or VirtualClock()
     balancer = Balancer(fleet(n, models), config=config, clock=clock, rng=rng if rng is not None else random.Random(0))
     warmed(balancer, clock)

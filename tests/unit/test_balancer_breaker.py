@@ -106,6 +106,8 @@ def test_balancer_ejects_and_recovers_through_half_open() -> None:
     assert balancer.state("b0") is BackendState.EJECTED
     assert balancer.counters["ejections_total"] == 1
     assert {balancer.pick("m", 10).name for _ in range(50)} == {"b1"}
+    for _ in range(50):
+        balancer.on_finish("b1", 200)  # an idle pool: half-open admits its minimum
     states = {s.name: s for s in balancer.snapshot_states()}
     assert states["b0"].state is BackendState.EJECTED
     assert states["b0"].weight_percent == 0
@@ -113,7 +115,7 @@ def test_balancer_ejects_and_recovers_through_half_open() -> None:
     clock.advance(15.0)
     assert balancer.state("b0") is BackendState.HALF_OPEN
     assert balancer.counters["half_open_total"] == 1
-    # Half-open admits one request at a time (half_open_max_in_flight = 1), however good it looks.
+    # Half-open admits one request at a time in an idle pool (half_open_max_in_flight = 1), however good it looks.
     balancer.set_penalty("b1", 0.9)
     picks = [balancer.pick("m", 10).name for _ in range(20)]
     assert picks.count("b0") == 1

@@ -118,13 +118,13 @@ def _saturate(balancer, name: str, **headers) -> None:
 
 def test_saturation_cools_for_jittered_3_to_5_seconds_long_context_only() -> None:
     # The cooling jitter draws one random(): 0.5 -> 3 + 0.5 * 2 = 4 s.
-    balancer, clock = make(2, rng=random.Random(1))
-    balancer._rng = ScriptedRandom([0.5])  # noqa: SLF001 - pin the jitter draw
+    rng = ScriptedRandom(fallback=random.Random(3))
+    balancer, clock = make(2, rng=rng)
+    rng.script([0.5])  # pin the jitter draw; later draws come from random.Random(3)
     balancer.on_finish("b0", 429, b"KV cache exhausted", {})
     assert balancer.state("b0") is BackendState.COOLING
     assert balancer.counters["responses_saturated_total"] == 1
     assert balancer.counters["cooling_enforced_total"] == 1
-    balancer._rng = random.Random(3)  # noqa: SLF001
     long_picks = set()
     for _ in range(50):
         long_picks.add(balancer.pick("m", 32_000).name)
@@ -142,8 +142,9 @@ def test_saturation_cools_for_jittered_3_to_5_seconds_long_context_only() -> Non
 
 @pytest.mark.parametrize(("draw", "seconds"), [(0.0, 3.0), (0.999, 4.998)])
 def test_cooling_range_bounds(draw: float, seconds: float) -> None:
-    balancer, clock = make(1)
-    balancer._rng = ScriptedRandom([draw])  # noqa: SLF001
+    rng = ScriptedRandom()
+    balancer, clock = make(1, rng=rng)
+    rng.script([draw])
     balancer.on_finish("b0", 503, b"engine saturated", {})
     clock.advance(seconds - 0.01)
     assert balancer.state("b0") is BackendState.COOLING

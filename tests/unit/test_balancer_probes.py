@@ -21,7 +21,8 @@ from balancer_support import VirtualClock
 class FakeEngine:
     """An OpenAI-style completions endpoint whose behaviour the test switches: ok, fail, slow, garbage."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
+        self.port = port
         self.mode = "ok"
         self.requests: list[dict] = []
         self.runner: web.AppRunner | None = None
@@ -47,7 +48,7 @@ class FakeEngine:
         app.router.add_get("/v1/models", self.models)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the ephemeral port
         self.url = f"http://127.0.0.1:{port}"
@@ -65,13 +66,13 @@ async def test_probes_bring_an_ejected_backend_back() -> None:
         balancer = Balancer([backend], clock=clock, rng=random.Random(1))
         clock.advance(60)
         for _ in range(3):
-            balancer.on_finish("e0", "connect_error")
+            balancer.on_finish("e0", 502)  # a server fault, not a refused connection
         assert balancer.state("e0") is BackendState.EJECTED
         client = AiohttpProbeClient()
         runner = ProbeRunner(balancer, client)
         try:
             results = await runner.run_once()
-            assert results["e0"].ok and results["e0"].status == 200
+            assert results["e0"].ok and results["e0"].status == 200 and not results["e0"].refused
             assert balancer.state("e0") is BackendState.EJECTED  # one success is not enough
             assert await runner.run_once() == {}  # not due yet
             clock.advance(5.0)  # ejected backends are probed every 5 s
@@ -87,6 +88,39 @@ async def test_probes_bring_an_ejected_backend_back() -> None:
             assert runner.probes_total == 4 and runner.probe_failures_total == 0
         finally:
             await runner.close()
+
+
+async def test_one_good_probe_after_a_refused_connection_readmits() -> None:
+    # The engine's port refuses (nothing listens): the probe says so; once it answers, one good probe is
+    # enough to go half-open (issue 14: a restarted engine must not wait for two probe rounds).
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: connections to it are refused
+    clock = VirtualClock()
+    balancer = Balancer([Backend("e0", f"http://127.0.0.1:{port}", models=("tiny-model",))], clock=clock,
+                        rng=random.Random(1))
+    clock.advance(60)
+    for _ in range(3):
+        balancer.on_finish("e0", 502)
+    runner = ProbeRunner(balancer, AiohttpProbeClient())
+    try:
+        result = (await runner.run_once())["e0"]
+        assert not result.ok and result.refused
+        for _ in range(3):  # probed every 5 s while ejected
+            clock.advance(5.0)
+            assert not (await runner.run_once())["e0"].ok
+        # The 15 s ejection is over, but the latest probe found the engine down: no trial request.
+        assert balancer.state("e0") is BackendState.EJECTED
+        async with FakeEngine(port=port) as engine:
+            clock.advance(5.0)
+            result = (await runner.run_once())["e0"]
+            assert result.ok
+            assert balancer.state("e0") is BackendState.HALF_OPEN  # one good probe after a refusal
+            assert len(engine.requests) == 1
+    finally:
+        await runner.close()
 
 
 async def test_failing_probes_eject_a_backend_without_traffic() -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from llmdiag.config import Config
 from llmdiag.config.balancer import BalancerConfig, WeightsConfig
+from llmdiag.exporters.penalties import penalties_document
 from llmdiag.model import BackendState, Diagnosis, Evidence, PenaltiesDocument, Reason, Severity
 from llmdiag.router_feedback.errors import Classification, ResponseClass
 from llmdiag.router_feedback.retry import RetryPolicy
@@ -42,9 +43,9 @@ def test_weights_update_at_most_every_interval_and_are_smoothed() -> None:
 def test_snapshot_states_are_penalty_entries() -> None:
     balancer, clock = make(3)
     diagnosis = Diagnosis(
-        kind="kv_cache_saturation", backend="b1", severity=Severity.WARNING, confidence=0.9, since=0.0,
-        summary="KV cache 93 % for 5 s", evidence=(Evidence("kv_cache_usage", 0.93, 0.85, 5.0),),
-        remediation="route long prompts elsewhere", penalty=0.31,
+        kind="gpu_memory_pressure", backend="b1", severity=Severity.WARNING, confidence=0.9, since=0.0,
+        summary="GPU memory 98 % used, allocator retrying", evidence=(Evidence("gpu_memory_used_ratio", 0.98, 0.97, 5.0),),
+        remediation="restart the engine with a lower gpu_memory_utilization", penalty=0.31,
     )
     balancer.set_penalty("b1", 0.31, [diagnosis])
     balancer.on_finish("b2", 429, b"engine saturated")
@@ -54,10 +55,10 @@ def test_snapshot_states_are_penalty_entries() -> None:
     assert states["b1"].score == pytest.approx(69.0)
     assert states["b1"].penalty == 0.31
     assert states["b1"].state is BackendState.DEGRADED
-    assert states["b1"].reasons == (Reason("kv_cache_saturation", Severity.WARNING, 0.31, "KV cache 93 % for 5 s"),)
+    assert states["b1"].reasons == (Reason("gpu_memory_pressure", Severity.WARNING, 0.31, "GPU memory 98 % used, allocator retrying"),)
     assert states["b2"].state is BackendState.COOLING
     assert states["b2"].reasons[-1].kind == "cooling"
-    doc = balancer.penalties_document("gpu-node-7", ts=1733140000.0)
+    doc = penalties_document(1733140000.0, "gpu-node-7", balancer_states=balancer.snapshot_states())
     parsed = PenaltiesDocument.from_json(json.loads(doc.dumps()))
     assert [b.name for b in parsed.backends] == ["b0", "b1", "b2"]
     clock.advance(1.0)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from llmdiag.cli.main import COMMAND_MODULES, build_parser, main
+
+PROC_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "proc" / "host618"
 
 
 def _subcommands() -> list[str]:
@@ -46,13 +49,17 @@ def test_collect_rejects_unknown_collector(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_collect_once_then_record_and_replay(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["collect", "--once", "--interval", "0.05", "--collectors", "proc", "--json"]) == 0
+    # A recorded /proc tree, so the test does not depend on this host having PSI (CONFIG_PSI).
+    config = tmp_path / "proc.toml"
+    config.write_text(f'[proc]\nproc_root = "{PROC_FIXTURE}"\n')
+    assert main(["--config", str(config), "collect", "--once", "--interval", "0.05", "--collectors", "proc", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert doc["schema"] == "llmdiag.snapshot/v1"
     assert doc["collectors"]["proc"]["status"] == "ok"
-    assert 0 <= doc["host"]["psi_cpu_some_avg10"] <= 1  # from the live /proc/pressure/cpu
+    assert doc["host"]["psi_cpu_some_avg10"] == pytest.approx(0.0154)  # fixture pressure/cpu: some avg10=1.54
     path = tmp_path / "rec.jsonl.gz"
-    assert main(["collect", "--duration", "0.15", "--interval", "0.05", "--collectors", "proc", "--record", str(path)]) == 0
+    assert main(["--config", str(config), "collect", "--duration", "0.15", "--interval", "0.05", "--collectors", "proc",
+                 "--record", str(path)]) == 0
     assert "recorded 3 snapshot(s)" in capsys.readouterr().err
     assert main(["diagnose", "--replay", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["diagnoses"] == []

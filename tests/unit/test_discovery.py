@@ -108,7 +108,7 @@ def test_configured_loopback_backend_gets_the_pid_of_its_listener() -> None:
     import os
     import socket as socketlib
 
-    from llmdiag.cli import wiring
+    from llmdiag.agent import wiring
     from llmdiag.collectors.discovery import local_backend_pids
     from llmdiag.config import Config
     from llmdiag.model import Backend

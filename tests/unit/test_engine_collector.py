@@ -319,16 +319,98 @@ def test_malformed_line_degrades_with_its_line_number_and_keeps_the_rest():
     assert status.status is CollectorState.DEGRADED and f"line {bad_at + 1}" in status.reason
 
 
-def test_a_scrape_without_engine_metrics_says_so():
+def test_a_scrape_without_engine_metrics_is_not_an_engine_and_down():
     (snap,), collector = run_sequence("# TYPE python_info gauge\npython_info 1.0\n")
-    assert snap.backends["b0"]["up"] == 1
+    assert snap.backends["b0"]["up"] == 0
+    assert snap.backends["b0"]["scrape_failure"] == {"reason=not_an_engine": 1}
     assert "no known engine metrics" in collector.status().reason
 
 
+def test_an_html_page_and_a_404_are_not_an_engine():
+    html = "<!doctype html><html><body><h1>It works!</h1></body></html>"
+    with ScriptedServer({"/metrics": [html]}) as web, ScriptedServer({}) as nothing:
+        collector = EngineCollector([Backend.from_url(web.url, name="web"), Backend.from_url(nothing.url, name="404")])
+        snap = snapshot_of(collector, 0.0)
+        collector.close()
+    for name in ("web", "404"):
+        assert snap.backends[name]["up"] == 0
+        assert snap.backends[name]["scrape_failure"] == {"reason=not_an_engine": 1}
+    assert "HTTP 404" in collector.results["404"].error
+
+
+def test_an_openai_backend_without_engine_metrics_is_up():
+    (snap,), _ = run_sequence("# TYPE python_info gauge\npython_info 1.0\n", backend_engine="openai")
+    assert snap.backends["b0"]["up"] == 1 and "scrape_failure" not in snap.backends["b0"]
+
+
+def test_each_failure_has_its_reason():
+    with metrics_server("unused") as server:
+        closed_port = server.url
+    slow = ScriptedServer({"/metrics": [(200, SYNTH_TEXT, 2.0)]})
+    failing = ScriptedServer({"/metrics": [(503, "engine saturated")]})
+    with slow, failing:
+        backends = [
+            Backend.from_url(closed_port, name="refused"),
+            Backend.from_url(slow.url, name="slow"),
+            Backend.from_url(failing.url, name="failing"),
+            Backend.from_url("http://no-such-host.invalid:8000", name="unresolved"),
+        ]
+        collector = EngineCollector(backends, EngineConfig(timeout_seconds=0.3))
+        snap = snapshot_of(collector, 0.0)
+        collector.close()
+    reasons = {n: snap.backends[n]["scrape_failure"] for n in ("refused", "slow", "failing", "unresolved")}
+    assert reasons == {
+        "refused": {"reason=connection_refused": 1},
+        "slow": {"reason=timeout": 1},
+        "failing": {"reason=http_error": 1},
+        "unresolved": {"reason=name_not_resolved": 1},
+    }
+    assert "does not resolve" in collector.results["unresolved"].error
+
+
+def test_grpc_backends_are_skipped_not_down():
+    with metrics_server(SYNTH_TEXT) as server:
+        grpc = Backend.from_url("grpc://127.0.0.1:9", name="trt-grpc")
+        collector = EngineCollector([Backend.from_url(server.url, name="http"), grpc])
+        snap = snapshot_of(collector, 0.0)
+        collector.close()
+    assert "trt-grpc" not in snap.backends and snap.backends["http"]["up"] == 1
+    status = collector.status()
+    assert status.status is CollectorState.OK and "trt-grpc" in status.reason and "gRPC" in status.reason
+    only_grpc = EngineCollector([grpc])
+    assert only_grpc.collect(0.0) == [] and only_grpc.status().status is CollectorState.UNAVAILABLE
+    assert "trt-grpc" in only_grpc.status().reason
+
+
 def test_factory_is_registered():
-    from llmdiag.cli.wiring import COLLECTOR_FACTORIES
+    from llmdiag.agent.wiring import COLLECTOR_FACTORIES
     from llmdiag.config import Config
 
     collector = COLLECTOR_FACTORIES["engine"](Config(), [Backend.from_url("http://127.0.0.1:9")])
     assert collector.name == "engine" and collector.config.timeout_seconds == 1.0
     collector.close()
+
+
+HTTP_COUNTS = """# HELP http_requests_total Total number of requests by method, status and handler.
+# TYPE http_requests_total counter
+http_requests_total{{handler="/v1/completions",method="POST",status="2xx"}} {ok}
+http_requests_total{{handler="/v1/chat/completions",method="POST",status="5xx"}} {err}
+http_requests_total{{handler="/v1/chat/completions",method="POST",status="4xx"}} 3.0
+http_requests_total{{handler="/v1/completions",method="POST",status="429"}} {sat}
+http_requests_total{{handler="/v1/models",method="GET",status="2xx"}} 500.0
+"""
+
+
+def test_real_scrape_http_requests_become_responses_by_class():
+    (snap,), _ = run_sequence(REAL)
+    # http_requests_total{handler="/v1/completions",...,status="2xx"} 2.0 and chat 1.0
+    assert snap.backends["b0"]["responses_total"] == {"class=ok": 3}
+
+
+def test_5xx_and_429_from_the_engine_http_counter():
+    first = SYNTH_TEXT + HTTP_COUNTS.format(ok=100.0, err=0.0, sat=0.0)
+    second = SYNTH_TEXT + HTTP_COUNTS.format(ok=150.0, err=40.0, sat=5.0)
+    (_, snap), _ = run_sequence(first, second)
+    # 4xx other than 429 is the client's (client_4xx); /v1/models polls are not inference answers.
+    assert snap.backends["b0"]["responses_total"] == {
+        "class=ok": 150, "class=server_5xx": 40, "class=saturated_429": 5, "class=client_4xx": 3}

@@ -52,6 +52,6 @@ def test_scrape_of_a_dead_port_exits_1(capsys):
     assert doc["up"] is False and doc["error"] == "connection refused" and doc["signals"]["up"] == 0
 
 
-def test_scrape_of_a_bad_url_exits_2(capsys):
+def test_scrape_of_a_bad_url_exits_64(capsys):
     assert main(["scrape", "ftp://x:1", "--json"]) == 64
     assert "scheme" in capsys.readouterr().err

@@ -72,23 +72,6 @@ async def test_chat_and_full_response(engine: FakeEngine) -> None:
             assert resp.status == 404
 
 
-async def test_queue_limit_answers_429_with_saturation_body(engine: FakeEngine) -> None:
-    async with aiohttp.ClientSession() as session:
-        # 8000-token KV cache, 6000-token prompts: one runs, the rest wait; the 4-deep queue then overflows.
-        body = {"prompt_tokens": 6000, "max_tokens": 400}
-        first = asyncio.create_task(session.post(f"{engine.url}/v1/completions", json=body))
-        while engine.model.num_running < 1:
-            await asyncio.sleep(0.005)
-        tasks = [asyncio.create_task(session.post(f"{engine.url}/v1/completions", json=body)) for _ in range(7)]
-        responses = [await first, *await asyncio.gather(*tasks)]
-        statuses = sorted(r.status for r in responses)
-        rejected = [await r.text() for r in responses if r.status == 429]
-        for r in responses:
-            r.release()
-    assert statuses.count(200) == 5 and statuses.count(429) == 3, statuses
-    assert all("queue full" in text for text in rejected)
-
-
 async def test_client_disconnect_aborts_and_frees_kv(engine: FakeEngine) -> None:
     async with aiohttp.ClientSession() as session:
         body = {"prompt_tokens": 2000, "max_tokens": 100000 // 100, "stream": True}
@@ -152,3 +135,28 @@ async def test_client_that_gives_up_while_waiting_is_aborted() -> None:
     finally:
         await eng.stop()
 
+
+
+async def test_http_requests_total_counts_answers_by_grouped_status_as_vllm_does() -> None:
+    eng = FakeEngine(FakeEngineOptions(port=0, faults=parse_faults("error_5xx:start=0,ratio=1")))
+    await eng.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            for body in ({"max_tokens": 2}, {"max_tokens": 2}, {"model": "nope", "max_tokens": 2}):
+                async with session.post(f"{eng.url}/v1/completions", json=body) as resp:
+                    await resp.read()
+            async with session.get(f"{eng.url}/health") as resp:
+                assert resp.status == 200
+            await _metrics(session, eng)
+            async with session.get(f"{eng.url}/metrics") as resp:
+                text = await resp.text()
+    finally:
+        await eng.stop()
+    http = {
+        (s.labels["handler"], s.labels["method"], s.labels["status"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "http_requests_total"
+    }
+    # Every request fails with 500 (ratio 1); the unknown model is a 404; /health and /metrics are not counted.
+    assert http == {("/v1/completions", "POST", "5xx"): 2, ("/v1/completions", "POST", "4xx"): 1}

@@ -177,7 +177,7 @@ def test_backend_signals_before_any_frame_are_real_zeros() -> None:
 
 
 def test_factory_without_grpc_backends_is_unavailable_not_a_crash() -> None:
-    from llmdiag.cli.wiring import build_collectors
+    from llmdiag.agent.wiring import build_collectors
     from llmdiag.model import CollectorState
 
     config = Config().with_backends(["http://127.0.0.1:8000"])

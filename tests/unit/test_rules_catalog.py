@@ -6,11 +6,12 @@ import dataclasses
 
 import pytest
 
-from llmdiag.analyzers import Analyzer, penalties_document
+from llmdiag.analyzers import Analyzer
 from llmdiag.analyzers.rules.gpu import throttle_names
 from llmdiag.analyzers.timelines import SCENARIOS, TimelineBuilder, dist
 from llmdiag.config import Config
 from llmdiag.config.analyzers import DiagnosisConfig
+from llmdiag.exporters.penalties import penalties_document
 from llmdiag.model import DIAGNOSIS_KINDS, HOST, BackendState, Diagnosis, Labelled, PenaltiesDocument, Severity
 
 POSITIVE = [s for s in SCENARIOS.values() if s.expect]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from llmdiag.analyzers import Analyzer, penalties_document
+from llmdiag.analyzers import Analyzer
 from llmdiag.analyzers.timelines import SCENARIOS, TimelineBuilder, dist
 from llmdiag.config.analyzers import DiagnosisConfig
-from llmdiag.model import HOST, BackendState
+from llmdiag.exporters.penalties import penalties_document
+from llmdiag.model import HOST, BackendPenalty, BackendState
 
 
 def _opened(t: TimelineBuilder, config: DiagnosisConfig | None = None):
@@ -104,23 +105,26 @@ def test_scrape_gap_neither_closes_nor_opens_and_stale_data_closes() -> None:
     t = TimelineBuilder().advance(40)
     b = t.backend("vllm-0").set(kv_cache_usage=0.95)
     t.advance(5)
-    b.absent = True  # scrapes fail: the open diagnosis must survive a short gap ...
+    b.absent = "timeout"  # scrapes fail: the open diagnosis must survive a short gap ...
     t.advance(20)
     n_gap = len(t.snapshots)
     t.advance(15)  # ... and close once data has been missing stale_seconds (30)
     a = Analyzer(backends=t.backends())
     results = [a.observe(s) for s in t.snapshots]
-    assert [d.kind for d in results[n_gap - 1].open] == ["kv_cache_saturation"]
-    closed = [r.ts for r in results if r.closed]
-    assert closed and closed[0] - (t.start + 45) >= 30
+    # ... while the outage itself is a backend_down diagnosis of its own.
+    assert sorted(d.kind for d in results[n_gap - 1].open) == ["backend_down", "kv_cache_saturation"]
+    closed = [(r.ts, d.kind) for r in results for d in r.closed]
+    assert closed and closed[0][1] == "kv_cache_saturation" and closed[0][0] - (t.start + 45) >= 30
+    assert [d.kind for d in results[-1].open] == ["backend_down"]
 
 
-def test_penalties_document_takes_balancer_scores() -> None:
+def test_penalties_document_takes_balancer_states() -> None:
     t = SCENARIOS["kv_cache_saturation"].build()
     a = Analyzer(backends=t.backends())
     for s in t.snapshots:
         r = a.observe(s)
-    doc = penalties_document(r.ts, "n", r.backends, scores={"vllm-0": (42.5, 40, BackendState.COOLING)})
+    cooling = BackendPenalty("vllm-0", "10.0.0.7:8000", 42.5, 0.5, 40, BackendState.COOLING)
+    doc = penalties_document(r.ts, "n", r.backends, balancer_states=[cooling])
     entries = {b.name: b for b in doc.backends}
     assert (entries["vllm-0"].score, entries["vllm-0"].weight_percent, entries["vllm-0"].state) == (42.5, 40, BackendState.COOLING)
     assert entries["vllm-0"].penalty == pytest.approx(0.5)
@@ -136,3 +140,23 @@ def test_enter_threshold_is_configurable() -> None:
     cfg = Config.from_toml("[diagnosis.kv_cache_saturation]\nenter = 0.95\nexit = 0.9\n").diagnosis
     _, opened = _opened(t, cfg)
     assert opened == []
+
+
+def test_a_diagnosis_held_by_hysteresis_shows_the_exit_threshold_and_says_holding() -> None:
+    t = TimelineBuilder().advance(40)
+    b = t.backend("vllm-0").set(kv_cache_usage=0.9, requests_waiting=2.0)
+    t.advance(5)  # opens: 0.9 >= enter 0.85 for 3 s
+    b.set(kv_cache_usage=0.8295)  # between exit 0.80 and enter 0.85: held open
+    t.advance(3)
+    a = Analyzer(backends=t.backends())
+    results = [a.observe(s) for s in t.snapshots]
+    (d,) = [d for d in results[-1].open if d.kind == "kv_cache_saturation"]
+    kv = next(e for e in d.evidence if e.signal == "kv_cache_usage")
+    assert kv.value == 0.8295 and kv.threshold == 0.8  # the exit threshold that keeps it open, not 0.85
+    assert "holding" in d.summary
+    waiting = next(e for e in d.evidence if e.signal == "requests_waiting")
+    assert waiting.window_seconds is None and waiting.window_text == "now"  # a current value, not "0s"
+    opened = next(r for r in results if r.opened)
+    (first,) = opened.opened
+    assert next(e for e in first.evidence if e.signal == "kv_cache_usage").threshold == 0.85
+    assert "holding" not in first.summary

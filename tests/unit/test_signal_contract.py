@@ -41,11 +41,10 @@ from llmdiag.router_feedback.balancer import Balancer
 PROC_TREE = FIXTURES.parent / "proc" / "host618"
 NVML_H200 = FIXTURES.parent / "nvml" / "h200x8.json"
 
-#: (scope, signal) read by rules but emitted by no collector yet: the gateway feedback that
-#: ``llmdiag gateway`` / router feedback will publish per backend (SPEC 3.2 "gateway feedback").
-FUTURE_SOURCES = {
-    ("backend", "responses_total"),
-}
+#: (scope, signal) read by rules but emitted by no collector yet. Empty: ``responses_total{class}``
+#: (SPEC 3.2 "gateway feedback") comes from the engine's own ``http_requests_total{status}``; the
+#: envoy collector's gateway view of the same classes is ``gateway_responses_total{class}``.
+FUTURE_SOURCES: set[tuple[str, str]] = set()
 
 _SCOPE_OF_PREFIX = {"b": "backend", "e": "engine", "g": "gpu", "d": "destination", "h": "host"}
 
@@ -194,6 +193,12 @@ def _engine_emitted(out: dict[tuple[str, str], set[str]]) -> None:
                     _pairs(collector.collect(float(i)), out)
             finally:
                 collector.close()
+    # A backend whose scrape fails: up = 0 and scrape_failure{reason}.
+    with metrics_server("") as server:
+        closed = server.url
+    collector = EngineCollector([Backend.from_url(closed, name="b0")])
+    _pairs(collector.collect(0.0), out)
+    collector.close()
 
 
 def _gpu_emitted(out: dict[tuple[str, str], set[str]]) -> None:
@@ -253,6 +258,21 @@ def _bpf_emitted(out: dict[tuple[str, str], set[str]]) -> None:
                     out.setdefault((scope, node.value), set()).update(_BPF_LABELS.get(node.value, ()))
 
 
+def _envoy_emitted(out: dict[tuple[str, str], set[str]]) -> None:
+    from llmdiag.collectors.envoy_admin import EnvoyAdminCollector
+    from llmdiag.collectors.http_fetch import FetchResult
+    from llmdiag.config.picker import EnvoyConfig
+
+    recorded = FIXTURES.parent / "envoy"
+
+    def fetch(url: str, timeout: float, max_bytes: int, accept: str) -> FetchResult:
+        name = "clusters.json" if "/clusters" in url else "stats.txt"
+        return FetchResult(url, status=200, body=(recorded / name).read_text())
+
+    backends = [Backend.from_url(f"http://127.0.0.1:{p}", name=f"b{p}") for p in (49559, 58281, 34207, 50431)]
+    _pairs(EnvoyAdminCollector(EnvoyConfig(admin_url="http://127.0.0.1:9901"), backends, fetch).collect(1.0), out)
+
+
 @pytest.fixture(scope="module")
 def emitted(tmp_path_factory) -> dict[tuple[str, str], set[str]]:
     out: dict[tuple[str, str], set[str]] = {}
@@ -260,6 +280,7 @@ def emitted(tmp_path_factory) -> dict[tuple[str, str], set[str]]:
     _gpu_emitted(out)
     _proc_emitted(out, tmp_path_factory.mktemp("proc"))
     _bpf_emitted(out)
+    _envoy_emitted(out)
     return out
 
 
@@ -275,6 +296,8 @@ def test_runnable_collectors_emit_what_the_rules_are_built_on(emitted) -> None:
     assert ("host", "timewait_entry_rate") not in emitted
     assert emitted[("backend", "process_memory_bytes")] == {"gpu", "pid"}
     assert emitted[("backend", "requests_finished_total")] == {"reason"}
+    assert emitted[("backend", "responses_total")] == {"class"}
+    assert emitted[("backend", "scrape_failure")] == {"reason"}
 
 
 def test_every_signal_a_rule_reads_is_emitted_by_a_collector(emitted) -> None:

@@ -106,7 +106,7 @@ def test_every_scenario_runs_sane(conv: Trace, scenario: str) -> None:
         for eng in sim.engines:
             assert eng.kv_used == 0 and eng.n_decoding == 0 and eng.decode_ctx_sum == 0 and eng.decode_end_sum == 0
         rejected[policy] = result.rejected_429
-        if scenario == "crash_restart":
+        if scenario in ("crash_restart", "crash_restart_kv"):
             assert result.outcomes.get("lost", 0) > 0  # in-flight requests died with the engine
         if scenario == "kv_storm":
             assert max(trace.inputs) == 32768
@@ -205,6 +205,10 @@ def test_llmdiag_recovers_a_crashed_engine_through_real_probes(conv: Trace) -> N
     down = [r for ts, r in zip(t, rate0) if 125 <= ts < 150]
     after = [r for ts, r in zip(t, rate0) if ts >= 300]
     assert sum(down) == 0  # nothing reached it while it was down
+    # Re-admitted within seconds of the restart at 150 s (issue 14: it used to wait 10-15 s and more):
+    # one good probe after the refused connections goes half-open, first tokens close the circuit.
+    early = [r for ts, r in zip(t, rate0) if 150 <= ts < 158]
+    assert sum(early) > 0
     assert sum(after) > 0.5 * sum(sum(r for ts, r in zip(t, s) if ts >= 300) for s in result.series["dispatch_rate"]) / 4
     assert balancer.state(sim.policy.backends[0]).value in ("healthy", "degraded", "warming")
 
@@ -226,3 +230,16 @@ def test_same_numbers_across_processes() -> None:
             res.pop("wall_seconds")
         outs.append(doc)
     assert outs[0] == outs[1]
+
+
+def test_kv_bound_scenarios_bind_the_cache_unless_told_otherwise(conv: Trace) -> None:
+    from llmdiag.sim.scenarios import KV_BOUND_TOKENS
+
+    for scenario in ("kv_bound", "crash_restart_kv"):
+        specs, _, _, _ = build_scenario(scenario, conv, instances=2, duration=30.0)
+        assert [s.kv_capacity_tokens for s in specs] == [KV_BOUND_TOKENS] * 2
+        specs, _, _, _ = build_scenario(scenario, conv, instances=2, duration=30.0, kv_capacity_tokens=300_000)
+        assert [s.kv_capacity_tokens for s in specs] == [300_000] * 2
+    specs, _, _, _ = build_scenario("crash_restart_kv", conv, instances=2, duration=30.0)
+    assert [f.kind for f in specs[0].faults.faults] == ["crash"]
+

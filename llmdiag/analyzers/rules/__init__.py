@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llmdiag.analyzers.rules.availability import BackendDown
 from llmdiag.analyzers.rules.base import Finding, Rule, Verdict
 from llmdiag.analyzers.rules.engine import ErrorBurst, FalseHealthy, KvCacheSaturation, QueueAvalanche
 from llmdiag.analyzers.rules.gpu import GpuFault, GpuIdleWithQueue, GpuMemoryPressure, GpuThrottling, IoBlocking
@@ -20,6 +21,7 @@ __all__ = ["RULES", "Finding", "Rule", "Verdict"]
 RULES: dict[str, type[Rule]] = {
     r.kind: r
     for r in (
+        BackendDown,
         KvCacheSaturation,
         QueueAvalanche,
         FalseHealthy,

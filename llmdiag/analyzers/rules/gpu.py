@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable
 
 from llmdiag.analyzers.context import Context, number
-from llmdiag.analyzers.rules.base import Rule, Verdict, ev
+from llmdiag.analyzers.rules.base import Rule, Verdict, bar, ev
 from llmdiag.config.analyzers import (
     GpuFaultConfig,
     GpuIdleWithQueueConfig,
@@ -108,7 +108,7 @@ class GpuMemoryPressure(Rule[GpuMemoryPressureConfig]):
             stay = oom or (frag is not None and frag >= 0.8 * cfg.fragmentation_enter) or (bool(retries) and used is not None and used >= cfg.used_exit)
             evidence = []
             if used is not None:
-                evidence.append(ev(f"gpus[{used_gpu}].memory_used_bytes / memory_total_bytes", used, cfg.used_enter, 0.0))
+                evidence.append(ev(f"gpus[{used_gpu}].memory_used_bytes / memory_total_bytes", used, bar(enter, cfg.used_enter, cfg.used_exit), None))
             if failures is not None:
                 evidence.append(ev("cuda_alloc_failures_total (increase)", failures, 0.0, w))
             if ooms is not None:
@@ -116,7 +116,7 @@ class GpuMemoryPressure(Rule[GpuMemoryPressureConfig]):
             if retries is not None:
                 evidence.append(ev("allocator_alloc_retries_total (increase)", retries, 0.0, w))
             if frag is not None:
-                evidence.append(ev("allocator_inactive_split_bytes / allocator_reserved_bytes", frag, cfg.fragmentation_enter, 0.0))
+                evidence.append(ev("allocator_inactive_split_bytes / allocator_reserved_bytes", frag, cfg.fragmentation_enter, None))
             parts = []
             if oom:
                 parts.append(f"{(failures or 0) + (ooms or 0):g} allocation failures/OOMs in {w:g}s")
@@ -191,7 +191,7 @@ class GpuThrottling(Rule[GpuThrottlingConfig]):
             ]
             clock = ctx.gpu(g, "sm_clock_hz")
             if clock is not None:
-                evidence.append(ev(f"gpus[{g}].sm_clock_hz", clock, None, 0.0))
+                evidence.append(ev(f"gpus[{g}].sm_clock_hz", clock, None, None))
             summary = f"GPU {g} throttled ({', '.join(harmful) or 'none'}) at {util:.0%} utilisation"
             yield subject, g, self.finding(enter, stay, severity, summary, evidence, 0.85)
 
@@ -218,7 +218,8 @@ class GpuIdleWithQueue(Rule[GpuIdleWithQueueConfig]):
                 continue
             util = max(utils)
             queued = waiting[1] > cfg.min_waiting
-            evidence = [ev(waiting[0], waiting[1], cfg.min_waiting, cfg.for_seconds), ev("gpu_utilization (max of its GPUs)", util, cfg.util_enter, cfg.for_seconds)]
+            evidence = [ev(waiting[0], waiting[1], cfg.min_waiting, cfg.for_seconds),
+                        ev("gpu_utilization (max of its GPUs)", util, bar(util < cfg.util_enter, cfg.util_enter, cfg.util_exit), cfg.for_seconds)]
             summary = f"{waiting[1]:g} requests waiting while its GPUs run at {util:.0%}"
             yield b, "", self.finding(queued and util < cfg.util_enter, queued and util < cfg.util_exit, Severity.WARNING, summary, evidence, 0.8)
 
@@ -259,7 +260,7 @@ class IoBlocking(Rule[IoBlockingConfig]):
             if reads is not None:
                 evidence.append(ev("io_read_bytes per second", reads, max(cfg.read_floor_bytes_per_second, cfg.read_factor * (base_reads or 0)), span))
             if util is not None and base_util is not None:
-                evidence.append(ev("gpu_utilization", util, cfg.util_drop_fraction * base_util, 0.0))
+                evidence.append(ev("gpu_utilization", util, cfg.util_drop_fraction * base_util, None))
             parts = []
             if blocked:
                 parts.append(f"{dstate:g} engine threads blocked in D state")
@@ -271,5 +272,5 @@ class IoBlocking(Rule[IoBlockingConfig]):
         if psi is None:
             yield HOST, "", None
         else:
-            evidence = [ev("psi_io_full_avg10", psi, cfg.psi_io_full_enter, 10.0)]
+            evidence = [ev("psi_io_full_avg10", psi, bar(psi >= cfg.psi_io_full_enter, cfg.psi_io_full_enter, cfg.psi_io_full_exit), 10.0)]
             yield HOST, "", self.finding(psi >= cfg.psi_io_full_enter, psi >= cfg.psi_io_full_exit, Severity.WARNING, f"all tasks stalled on IO {psi:.0%} of the time (PSI io full)", evidence, 0.8)

@@ -1,4 +1,4 @@
-"""Agent wiring: which collectors exist and how to build them from the config.
+"""Which collectors exist, how to build them from the config, and which backends to watch.
 
 ``COLLECTOR_FACTORIES`` maps a collector name (as given to
 ``llmdiag collect --collectors a,b``) to a factory
@@ -10,19 +10,18 @@ as an ``unavailable`` collector status instead of failing.
 from __future__ import annotations
 
 import logging
-import math
-import socket
-import time
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable
 
-from llmdiag.collectors.base import Collector, GuardedCollector, collect_snapshot
+from llmdiag.collectors.base import Collector, GuardedCollector
 from llmdiag.collectors.discovery import discover_engines, local_backend_pids
 from llmdiag.collectors.gpu import build_gpu_collector
+from llmdiag.collectors.kube import PodMetadataReader
 from llmdiag.collectors.procfs import build_proc_collector
 from llmdiag.config import Config
-from llmdiag.model import Backend, CollectorState, CollectorStatus, Snapshot
+from llmdiag.model import Backend, CollectorState, CollectorStatus
 
-__all__ = ["COLLECTOR_FACTORIES", "CollectorUnavailable", "build_collectors", "resolve_backends", "snapshot_ticks"]
+__all__ = ["COLLECTOR_FACTORIES", "CollectorUnavailable", "build_collectors", "resolve_backends"]
 
 log = logging.getLogger("llmdiag.agent")
 
@@ -42,7 +41,17 @@ COLLECTOR_FACTORIES: dict[str, CollectorFactory] = {
     "timewait": lambda config, backends: _timewait_factory(config, backends),
     "cuda": lambda config, backends: _cuda_factory(config, backends),
     "http2": lambda config, backends: _http2_factory(config, backends),
+    "envoy": lambda config, backends: _envoy_factory(config, backends),
 }
+
+
+def _envoy_factory(config: Config, backends: list[Backend]) -> Collector:
+    from llmdiag.collectors.envoy_admin import build_envoy_collector  # noqa: PLC0415
+
+    try:
+        return build_envoy_collector(config, backends)
+    except LookupError as exc:
+        raise CollectorUnavailable(str(exc)) from exc
 
 
 def _engine_factory(config: Config, backends: list[Backend]) -> Collector:
@@ -86,8 +95,18 @@ def _timewait_factory(config: Config, backends: list[Backend]) -> Collector:
     return build_timewait_collector(config, backends)
 
 
+#: Kubernetes labels (pod, namespace, container, node, pod_uid, container_id) of local backend
+#: processes, read from /proc with no API server; NODE_NAME is the DaemonSet's downward-API node name.
+_POD_METADATA = PodMetadataReader(node_name=os.environ.get("NODE_NAME"))
+
+
 def resolve_backends(config: Config) -> list[Backend]:
-    """Configured backends (``[[backends]]`` or ``--backend``), else engines discovered on local ports."""
+    """Configured backends (``[[backends]]`` or ``--backend``), else engines discovered on local ports,
+    each labelled with its Kubernetes pod metadata when its process runs in a pod on this node."""
+    return _POD_METADATA.label_backends(_find_backends(config))
+
+
+def _find_backends(config: Config) -> list[Backend]:
     backends = config.backend_list()
     if backends:
         # `--backend http://127.0.0.1:8000` carries no pid: find the local process listening
@@ -107,14 +126,21 @@ def resolve_backends(config: Config) -> list[Backend]:
         return []
 
 
+#: ``progress(name, status)``: ``status`` None when collector ``name`` starts building (a BPF
+#: compile takes seconds), then its status once built (ok, or unavailable with the reason).
+BuildProgress = Callable[[str, CollectorStatus | None], None]
+
+
 def build_collectors(
-    config: Config, backends: list[Backend], names: list[str] | None = None
+    config: Config, backends: list[Backend], names: list[str] | None = None,
+    progress: BuildProgress | None = None,
 ) -> tuple[list[GuardedCollector], dict[str, CollectorStatus]]:
     """Build the named collectors (default: ``[agent] collectors``, else all).
 
     Returns the running collectors, each wrapped in :class:`GuardedCollector`,
     and an ``unavailable`` status for each one that could not start, so a
     missing GPU or BPF never stops the others. Unknown names raise ``ValueError``.
+    ``progress`` (see :data:`BuildProgress`) lets a terminal show each collector as it starts.
     """
     wanted = list(names or config.agent.collectors or COLLECTOR_FACTORIES)
     unknown = [n for n in wanted if n not in COLLECTOR_FACTORIES]
@@ -126,6 +152,8 @@ def build_collectors(
     unavailable: dict[str, CollectorStatus] = {}
     try:
         for name in wanted:
+            if progress is not None:
+                progress(name, None)
             try:
                 running.append(GuardedCollector(COLLECTOR_FACTORIES[name](config, backends)))
             except CollectorUnavailable as exc:
@@ -133,61 +161,24 @@ def build_collectors(
             except Exception as exc:  # noqa: BLE001 - one broken collector must not stop the agent
                 log.warning("collector %s failed to start: %s", name, exc)
                 unavailable[name] = CollectorStatus(CollectorState.UNAVAILABLE, f"failed to start: {type(exc).__name__}: {exc}")
+            if progress is not None:
+                progress(name, unavailable.get(name, CollectorStatus(CollectorState.OK)))
     except BaseException:
         # Interrupted (Ctrl-C, SIGTERM) while a later collector compiled: close what already runs.
         for collector in running:
             collector.close()
         raise
+    _connect(running)
     return running, unavailable
 
 
-def snapshot_ticks(
-    config: Config,
-    backends: list[Backend],
-    names: list[str] | None = None,
-    *,
-    duration: float | None = None,
-    prime: bool = False,
-    clock: Callable[[], float] = time.time,
-    sleep: Callable[[float], None] = time.sleep,
-    monotonic: Callable[[], float] | None = None,
-) -> Iterator[Snapshot]:
-    """Build the collectors and yield one snapshot every ``[agent] interval_seconds``.
+def _connect(running: list[GuardedCollector]) -> None:
+    """Wire collectors that feed each other, explicitly (no module-level registry).
 
-    ``clock`` stamps the snapshots (wall time); ticks are scheduled on ``monotonic``
-    (default ``time.monotonic``, or ``clock`` itself when a test injects one) so that a
-    wall-clock step (NTP) never stalls or bunches the ticks.
-
-    ``duration`` gives ``max(1, round(duration / interval))`` snapshots (``None``: until the
-    consumer stops). ``prime`` runs one unreported tick first, so that rates and window
-    quantiles exist in the first snapshot yielded. Collectors are closed when the generator
-    ends or is closed (BPF programs detached). Unknown collector names raise ``ValueError``
-    before anything is yielded.
+    The timewait collector's entry rate per destination comes from the tcp collector's
+    in-kernel active-close counters when that collector runs; else from the kernel timers.
     """
-    if duration is not None and not (math.isfinite(duration) and duration > 0):
-        raise ValueError(f"duration must be a positive number of seconds, got {duration!r}")
-    collectors, unavailable = build_collectors(config, backends, names)
-    hostname = config.agent.hostname or socket.gethostname()
-    interval = config.agent.interval_seconds
-    ticks = None if duration is None else max(1, int(round(duration / interval)))
-    mono = monotonic or (time.monotonic if clock is time.time else clock)
-    try:
-        if prime:
-            collect_snapshot(collectors, clock(), hostname)
-            sleep(interval)
-        next_tick = mono()
-        count = 0
-        while True:
-            snap = collect_snapshot(collectors, clock(), hostname)
-            snap.collectors.update(unavailable)
-            yield snap
-            count += 1
-            if ticks is not None and count >= ticks:
-                return
-            next_tick += interval
-            delay = next_tick - mono()
-            if delay > 0:
-                sleep(delay)
-    finally:
-        for c in collectors:
-            c.close()
+    inner = {c.name: c.inner for c in running}
+    tcp, timewait = inner.get("tcp"), inner.get("timewait")
+    if tcp is not None and timewait is not None and hasattr(timewait, "set_entry_source"):
+        timewait.set_entry_source(tcp.active_closes_by_destination)

@@ -9,13 +9,19 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from llmdiag.analyzers import Analyzer
-from llmdiag.cli.diagnose import analyze
-from llmdiag.cli.wiring import snapshot_ticks
+from llmdiag.agent.loop import analyze
+from llmdiag.agent.ticker import snapshot_ticks
 from llmdiag.config import Config
 from llmdiag.model import Backend, read_snapshots, write_snapshots
 from llmdiag.sim.demo_fleet import DemoFleet, FleetEngine
 from llmdiag.sim.faults import parse_faults
+
+
+# Wall-clock runs of real engines on loopback (tens of seconds): the integration tier.
+pytestmark = pytest.mark.integration
 
 
 def test_replay_equals_live(tmp_path: Path) -> None:

@@ -1,0 +1,360 @@
+"""``llmdiag agent``: the long-running node process (SPEC 3.4, 6.4, 9).
+
+Two threads of control:
+
+* the **tick thread** builds the collectors once (BPF compiled and attached once), then every
+  ``[agent] interval_seconds`` collects a snapshot (collectors block: scrapes, /proc, BPF maps),
+  runs :meth:`AgentLoop.observe` and publishes the new immutable state and telemetry by
+  reference. A tick that runs late skips the missed slots (counted) instead of bunching up.
+  Every ``discover_interval_seconds`` it re-resolves the backends in a helper thread:
+  engines that appear later are added (discovery, when no backends are configured), an
+  engine whose pid changed or whose counters went down is marked restarted (warm-up ramp);
+  a backend once seen is kept (an engine that crashed shows as down, it does not vanish);
+* the **asyncio loop** serves HTTP (:mod:`llmdiag.agent.http`), the HAProxy agent-check port
+  (:mod:`llmdiag.agent.agent_check`) and the active probes (:mod:`llmdiag.agent.probes`);
+  it only reads the published state.
+
+SIGTERM (or Ctrl-C): listeners close, the tick thread stops and the collectors close (BPF
+detached), within 5 s; exit 0 (130 for Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+
+from llmdiag.agent import bpf_stats
+from llmdiag.agent.agent_check import AgentCheckServer
+from llmdiag.agent.loop import AgentLoop, AgentState
+from llmdiag.agent.probes import AgentProber
+from llmdiag.agent.wiring import COLLECTOR_FACTORIES, build_collectors, resolve_backends
+from llmdiag.collectors.base import GuardedCollector, collect_snapshot
+from llmdiag.config import Config
+from llmdiag.config.agent import split_address
+from llmdiag.exporters.prometheus import TICK_BUCKETS, AgentTelemetry, BackendInfo, StateCollector
+from llmdiag.model import Backend, BackendPenalty, CollectorStatus, Snapshot
+
+__all__ = ["Agent", "run_agent"]
+
+log = logging.getLogger("llmdiag.agent")
+
+#: Seconds the agent may take to build its collectors (BPF compiles) before /healthz says it is stuck.
+STARTUP_GRACE_SECONDS = 120.0
+#: SIGTERM to exit, at most (SPEC: within 5 s); the tick thread gets what is left after the listeners.
+SHUTDOWN_SECONDS = 4.5
+
+
+class Agent:
+    """The agent's state machine; :meth:`run` serves until :meth:`stop` (or a signal)."""
+
+    def __init__(self, config: Config, *, token: str | None = None, backends: list[Backend] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.token = token or None
+        self.clock = clock
+        self.hostname = config.agent.hostname or socket.gethostname()
+        self.backends = list(backends) if backends is not None else resolve_backends(config)
+        self.loop = AgentLoop(config, self.backends, clock=clock, keep_closed=config.agent.keep_closed_diagnoses)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(StateCollector(self._metrics_source))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+        self.agent_check = AgentCheckServer(config.agent, self._entries) if config.agent.agent_check_listen else None
+        self.prober: AgentProber | None = None
+        self.fatal: str | None = None
+        self.http_address: tuple[str, int] | None = None
+        self.agent_check_address: tuple[str, int] | None = None
+        self._telemetry = AgentTelemetry(backends=self._backend_info())
+        self._tick_lock = threading.Lock()
+        self._opened: dict[tuple[str, str], int] = {}
+        self._started = time.monotonic()
+        self._last_tick_mono: float | None = None
+        self._stop = threading.Event()
+        self._async_stop: asyncio.Event | None = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._tick_thread, name="llmdiag-ticks", daemon=True)
+        self._collectors: list[GuardedCollector] = []
+        self._entries_cache: tuple[int, dict[str, BackendPenalty]] = (-1, {})
+        self._http_counts: dict[str, int] = {}
+        self._resets: dict[str, float] = {}
+        self.collectors_closed = threading.Event()
+        self._runner: Any = None
+
+    # -- reading (any thread) ---------------------------------------------------------
+    @property
+    def state(self) -> AgentState:
+        return self.loop.state
+
+    def health(self) -> tuple[bool, str]:
+        """``(ok, reason)`` for /healthz: fresh ticks, or why not."""
+        if self.fatal:
+            return False, f"agent failed: {self.fatal}"
+        stale = self.config.agent.stale_after_seconds
+        now = time.monotonic()
+        last = self._last_tick_mono
+        if last is None:
+            waited = now - self._started
+            if waited <= STARTUP_GRACE_SECONDS:
+                return True, f"starting: building collectors ({waited:.0f} s)"
+            return False, f"tick loop stuck: no tick {waited:.0f} s after start"
+        age = now - last
+        if age > stale:
+            return False, f"tick loop stuck: last tick {age:.1f} s ago (limit {stale:g} s)"
+        return True, f"ok: last tick {age:.2f} s ago, {self.state.ticks} ticks"
+
+    def count_http(self, result: str) -> None:
+        self._http_counts[result] = self._http_counts.get(result, 0) + 1
+
+    def _entries(self) -> Mapping[str, BackendPenalty]:
+        state = self.loop.state
+        key, entries = self._entries_cache
+        if key != id(state):
+            entries = {name: b.as_penalty() for name, b in state.backends.items()}
+            self._entries_cache = (id(state), entries)
+        return entries
+
+    def _metrics_source(self) -> tuple[AgentState, AgentTelemetry]:
+        state, tel = self.loop.state, self._telemetry
+        if self.agent_check is not None:
+            requests, unknown = self.agent_check.counters()
+            tel = AgentTelemetry(**{**tel.__dict__, "agent_check_requests": requests,
+                                    "agent_check_unknown_server_total": unknown})
+        return state, tel
+
+    def _backend_info(self) -> tuple[BackendInfo, ...]:
+        return tuple(BackendInfo(b.name, b.address, b.engine or "", b.labels.get("pod", ""), b.labels.get("namespace", ""),
+                                 b.labels.get("container", ""), b.labels.get("node", "")) for b in self.backends)
+
+    # -- the tick thread ----------------------------------------------------------------
+    def _tick_thread(self) -> None:
+        try:
+            collectors, unavailable = build_collectors(self.config, self.backends)
+        except BaseException as exc:  # noqa: BLE001 - reported by /healthz and the exit status
+            self.fatal = f"collectors failed to start: {type(exc).__name__}: {exc}"
+            log.error("%s", self.fatal)
+            self.collectors_closed.set()
+            self._wake_async()
+            return
+        self._collectors = collectors
+        interval = self.config.agent.interval_seconds
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmdiag-discovery")
+        pending: concurrent.futures.Future[list[Backend]] | None = None
+        next_refresh = time.monotonic() + self.config.agent.discover_interval_seconds
+        try:
+            next_tick = time.monotonic()
+            while not self._stop.is_set():
+                self._tick(unavailable)
+                if pending is not None and pending.done():
+                    self._apply_backends(pending)
+                    pending = None
+                if pending is None and time.monotonic() >= next_refresh:
+                    pending = pool.submit(resolve_backends, self.config)
+                    next_refresh = time.monotonic() + self.config.agent.discover_interval_seconds
+                next_tick += interval
+                late = time.monotonic() - next_tick
+                if late > 0:
+                    missed = math.floor(late / interval) + 1
+                    self._count_missed(missed)
+                    next_tick += missed * interval
+                self._stop.wait(max(0.0, next_tick - time.monotonic()))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+            for c in self._collectors:
+                c.close()
+            self.collectors_closed.set()
+
+    def _tick(self, unavailable: Mapping[str, CollectorStatus]) -> None:
+        started = time.perf_counter()
+        try:
+            snap = collect_snapshot(self._collectors, self.clock(), self.hostname)
+            snap.collectors.update(unavailable)
+            collect_seconds = time.perf_counter() - started
+            state = self.loop.observe(snap, collect_seconds)
+            self._notice_resets(snap)
+            result = self.loop.last_result
+            for d in result.opened if result is not None else ():
+                key = (d.kind, d.severity.value)
+                self._opened[key] = self._opened.get(key, 0) + 1
+            lost = bpf_stats.lost_events(self._collectors)
+            run_time, run_count = bpf_stats.program_stats(self._collectors)
+        except Exception:  # noqa: BLE001 - a bug in one tick must not end the agent: log, count, go on
+            log.exception("tick failed")
+            self._count_missed(1)
+            return
+        elapsed = state.last_tick_seconds or (time.perf_counter() - started)
+        old = self._telemetry
+        counts = tuple(n + (1 if (i == len(TICK_BUCKETS) or elapsed <= TICK_BUCKETS[i]) else 0)
+                       for i, n in enumerate(old.tick_bucket_counts))
+        self._telemetry = AgentTelemetry(
+            ticks_total=old.ticks_total + 1, ticks_missed_total=old.ticks_missed_total, tick_bucket_counts=counts,
+            tick_seconds_sum=old.tick_seconds_sum + elapsed, last_tick_timestamp=snap.ts, backends=old.backends,
+            diagnoses_opened=dict(self._opened), bpf_lost_events=lost, bpf_run_time_seconds=run_time,
+            bpf_run_count=run_count,
+        )
+        self._last_tick_mono = time.monotonic()
+
+    def _count_missed(self, n: int) -> None:
+        old = self._telemetry
+        self._telemetry = AgentTelemetry(**{**old.__dict__, "ticks_missed_total": old.ticks_missed_total + n})
+
+    def _notice_resets(self, snap: Snapshot) -> None:
+        """An engine whose counters went down restarted: its score ramps up again."""
+        for name, signals in snap.backends.items():
+            resets = signals.get("counter_resets_total")
+            if not isinstance(resets, (int, float)) or isinstance(resets, bool):
+                continue
+            before = self._resets.get(name)
+            self._resets[name] = resets
+            if before is not None and resets > before and name in {b.name for b in self.loop.backends}:
+                log.warning("backend %s restarted (its counters went down): warming up again", name)
+                self.loop.mark_restarted(name)
+
+    def _apply_backends(self, future: concurrent.futures.Future[list[Backend]]) -> None:
+        try:
+            found = future.result()
+        except Exception as exc:  # noqa: BLE001 - discovery is best effort
+            log.warning("re-resolving backends failed: %s", exc)
+            return
+        old = {b.name: b for b in self.backends}
+        merged = dict(old)
+        for b in found:
+            merged[b.name] = b
+        added = [n for n in merged if n not in old]
+        moved = [n for n in merged if n in old and merged[n].url != old[n].url]
+        restarted = [n for n in merged if n in old and old[n].pid and merged[n].pid and merged[n].pid != old[n].pid]
+        gained_pid = [n for n in merged if n in old and not old[n].pid and merged[n].pid]
+        if not (added or moved or restarted or gained_pid):
+            return
+        self.backends = list(merged.values())
+        log.warning("backends changed: added %s, restarted %s, moved %s", added or "-", restarted or "-", moved or "-")
+        self.loop.set_backends(self.backends)
+        for name in restarted:
+            self.loop.mark_restarted(name)
+        for c in self._collectors:
+            setter = getattr(c.inner, "set_backends", None)
+            if setter is not None:
+                setter(self.backends)
+            elif c.name == "engine" and (added or moved):
+                self._replace_collector(c)
+        self._telemetry = AgentTelemetry(**{**self._telemetry.__dict__, "backends": self._backend_info()})
+
+    def _replace_collector(self, old: GuardedCollector) -> None:
+        """Rebuild a cheap collector for a new backend set (the BPF ones keep theirs: no recompiles)."""
+        try:
+            fresh = GuardedCollector(COLLECTOR_FACTORIES[old.name](self.config, self.backends))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("rebuilding collector %s failed: %s (keeping the old one)", old.name, exc)
+            return
+        fresh.errors_total = old.errors_total
+        self._collectors = [fresh if c is old else c for c in self._collectors]
+        old.close()
+
+    # -- serving -----------------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask :meth:`run` to shut down (thread-safe)."""
+        self._stop.set()
+        self._wake_async()
+
+    def _wake_async(self) -> None:
+        if self._aloop is not None and self._async_stop is not None:
+            self._aloop.call_soon_threadsafe(self._async_stop.set)
+
+    async def run(self, on_ready: Callable[[Agent], None] | None = None) -> int:
+        """Serve until :meth:`stop` or SIGTERM/SIGINT; 0 on SIGTERM or stop(), 130 on SIGINT, 1 when the agent failed."""
+        from aiohttp import web  # noqa: PLC0415 - only the daemon needs the server
+
+        from llmdiag.agent.http import build_app  # noqa: PLC0415
+
+        self._aloop = asyncio.get_running_loop()
+        self._async_stop = asyncio.Event()
+        interrupted: list[int] = []
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._aloop.add_signal_handler(signum, self._on_signal, signum, interrupted)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass  # not the main thread (tests): stop() is the way
+        runner = web.AppRunner(build_app(self, self.registry, self.token), access_log=None, handle_signals=False,
+                               shutdown_timeout=1.0)
+        await runner.setup()
+        self._runner = runner
+        try:
+            site = web.TCPSite(runner, self.config.agent.listen_host, self.config.agent.listen_port,
+                               reuse_address=True)
+            await site.start()
+            server = getattr(site, "_server", None)
+            sockets = getattr(server, "sockets", None) or []
+            self.http_address = sockets[0].getsockname()[:2] if sockets else (self.config.agent.listen_host,
+                                                                               self.config.agent.listen_port)
+            if self.agent_check is not None:
+                host, port = split_address(self.config.agent.agent_check_listen, "agent_check_listen")
+                await self.agent_check.start(host, port)
+                self.agent_check_address = self.agent_check.sockets[0]
+            self._thread.start()
+            if self.config.agent.probes:
+                self.prober = AgentProber(lambda: self.loop.balancer)
+                self.prober.start()
+            if on_ready is not None:
+                on_ready(self)
+            await self._async_stop.wait()
+        finally:
+            await self._shutdown()
+        if self.fatal:
+            return 1
+        return 130 if interrupted and interrupted[0] == signal.SIGINT else 0
+
+    def _on_signal(self, signum: int, interrupted: list[int]) -> None:
+        interrupted.append(signum)
+        log.warning("%s: shutting down", signal.Signals(signum).name)
+        self.stop()
+
+    async def _shutdown(self) -> None:
+        deadline = time.monotonic() + SHUTDOWN_SECONDS
+        self._stop.set()
+        if self.prober is not None:
+            await self.prober.close()
+        if self.agent_check is not None:
+            try:
+                await asyncio.wait_for(self.agent_check.close(), 1.0)
+            except asyncio.TimeoutError:
+                log.warning("agent-check listener did not close within 1 s")
+        if self._runner is not None:
+            try:
+                await asyncio.wait_for(self._runner.cleanup(), 1.5)
+            except asyncio.TimeoutError:
+                log.warning("HTTP server did not close within 1.5 s")
+        if self._thread.is_alive():
+            left = max(0.1, deadline - time.monotonic())
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, left)
+            if self._thread.is_alive():
+                log.warning("tick thread still busy after %.1f s (a collector is blocking); exiting anyway", SHUTDOWN_SECONDS)
+
+
+def run_agent(config: Config, token: str | None, *, announce: Callable[[str], None] | None = None) -> int:
+    """Build and run the agent in this thread's event loop (the command line entry)."""
+    agent = Agent(config, token=token)
+
+    def ready(a: Agent) -> None:
+        assert a.http_address is not None
+        host, port = a.http_address
+        parts = [f"llmdiag agent on {a.hostname}: http://{_hostport(host, port)} (/metrics /v1/penalties /v1/state /healthz)"]
+        if a.agent_check_address is not None:
+            parts.append(f"agent-check {_hostport(*a.agent_check_address)}")
+        parts.append(f"{len(a.backends)} backend(s): {', '.join(b.name for b in a.backends) or 'none yet'}")
+        (announce or (lambda text: print(text, file=sys.stderr, flush=True)))("; ".join(parts))
+
+    return asyncio.run(agent.run(ready))
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
