@@ -115,6 +115,7 @@ class TopModel:
 
     #: counters shown as per-second rates in the fleet view: column -> signal
     RATES = {"rst_per_s": "h2_rst_stream_total", "retrans_per_s": "tcp_retransmits_total"}
+    RATE_TICKS = 5
 
     def __init__(self) -> None:
         self.state: AgentState | None = None
@@ -126,9 +127,12 @@ class TopModel:
     # -- ingest ------------------------------------------------------------------
     def ingest(self, state: AgentState, opened: Iterable[Diagnosis] = (), closed: Iterable[Diagnosis] = ()) -> None:
         """One tick; ``opened``/``closed`` are the diagnoses that changed since the last one."""
-        previous = self.state.snapshot if self.state is not None else None
         self.state = state
         self.states.append(state)
+        # Rates over the last RATE_TICKS ticks: steadier than tick-to-tick (a counter growing 0.2/s
+        # reads 0.2, not 0 and 1 in turn), and a row that does not change is not redrawn.
+        earlier = list(self.states)[-(self.RATE_TICKS + 1):-1]
+        previous = next((s.snapshot for s in earlier if s.snapshot is not None), None)
         self.ticks += 1
         for d in opened:
             self.log.append(LogEntry(state.ts, "opened", d))

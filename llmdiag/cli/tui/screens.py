@@ -44,12 +44,19 @@ def utc(ts: float | None, with_date: bool = True) -> str:
 class _Base(Screen[None]):
     """A screen with the status line on top and the footer at the bottom."""
 
+    _status_shown = ""
+
     def compose_status(self) -> ComposeResult:
         yield Static("", id="status", classes="status")
 
     def update_status(self, model: TopModel) -> None:
         app: TopApp = self.app  # type: ignore[assignment]
-        self.query_one("#status", Static).update(app.status_line())
+        status = app.status_line()
+        widget = self.query_one("#status", Static)
+        if status != self._status_shown:
+            # One line, fixed height: no layout pass (a full reflow every tick is most of the cost).
+            widget.update(status, layout=False)
+            self._status_shown = status
 
     def refresh_from(self, model: TopModel) -> None:  # pragma: no cover - every screen overrides it
         self.update_status(model)
@@ -83,6 +90,8 @@ class FleetScreen(_Base):
         self.filter_text = ""
         self._shown: list[str] = []  # row keys in the table, in order
         self._cells_shown: dict[str, list[Any]] = {}
+        self._signatures: dict[str, tuple[Any, ...]] = {}
+        self._summary_shown = ""
 
     def compose(self) -> ComposeResult:
         yield from self.compose_status()
@@ -162,6 +171,11 @@ class FleetScreen(_Base):
         if names == self._shown:
             # Same rows in the same order (most ticks): rewrite only the cells that changed.
             for row in rows:
+                spark = model.series(row.name, "score", last=8)
+                signature = (row, tuple(spark))
+                if self._signatures.get(row.name) == signature:
+                    continue  # nothing in this row changed: no cell objects, no repaint
+                self._signatures[row.name] = signature
                 cells = self._cells(row, model)
                 old = self._cells_shown.get(row.name)
                 for (_, key), cell, before in zip(self.COLUMNS, cells, old or [None] * len(cells)):
@@ -171,6 +185,7 @@ class FleetScreen(_Base):
         else:
             table.clear()
             self._cells_shown = {}
+            self._signatures = {}
             for row in rows:
                 cells = self._cells(row, model)
                 table.add_row(*cells, key=row.name)
@@ -187,7 +202,9 @@ class FleetScreen(_Base):
                    f"{' · host: ' + ', '.join(d.kind for d in host_open) if host_open else ''}"
                    f" · sort {self.sort_key}{' desc' if self.sort_reverse else ''}"
                    f"{' · filter ' + repr(self.filter_text) if self.filter_text else ''}")
-        self.query_one("#summary", Static).update(summary)
+        if summary != self._summary_shown:
+            self.query_one("#summary", Static).update(summary, layout=False)
+            self._summary_shown = summary
 
     def _cells(self, row: FleetRow, model: TopModel) -> list[Any]:
         state = Text(row.state if row.up is not False else f"{row.state} DOWN",
