@@ -10,11 +10,13 @@ as an ``unavailable`` collector status instead of failing.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 from llmdiag.collectors.base import Collector, GuardedCollector
 from llmdiag.collectors.discovery import discover_engines, local_backend_pids
 from llmdiag.collectors.gpu import build_gpu_collector
+from llmdiag.collectors.kube import PodMetadataReader
 from llmdiag.collectors.procfs import build_proc_collector
 from llmdiag.config import Config
 from llmdiag.model import Backend, CollectorState, CollectorStatus
@@ -93,8 +95,18 @@ def _timewait_factory(config: Config, backends: list[Backend]) -> Collector:
     return build_timewait_collector(config, backends)
 
 
+#: Kubernetes labels (pod, namespace, container, node, pod_uid, container_id) of local backend
+#: processes, read from /proc with no API server; NODE_NAME is the DaemonSet's downward-API node name.
+_POD_METADATA = PodMetadataReader(node_name=os.environ.get("NODE_NAME"))
+
+
 def resolve_backends(config: Config) -> list[Backend]:
-    """Configured backends (``[[backends]]`` or ``--backend``), else engines discovered on local ports."""
+    """Configured backends (``[[backends]]`` or ``--backend``), else engines discovered on local ports,
+    each labelled with its Kubernetes pod metadata when its process runs in a pod on this node."""
+    return _POD_METADATA.label_backends(_find_backends(config))
+
+
+def _find_backends(config: Config) -> list[Backend]:
     backends = config.backend_list()
     if backends:
         # `--backend http://127.0.0.1:8000` carries no pid: find the local process listening
@@ -114,14 +126,21 @@ def resolve_backends(config: Config) -> list[Backend]:
         return []
 
 
+#: ``progress(name, status)``: ``status`` None when collector ``name`` starts building (a BPF
+#: compile takes seconds), then its status once built (ok, or unavailable with the reason).
+BuildProgress = Callable[[str, CollectorStatus | None], None]
+
+
 def build_collectors(
-    config: Config, backends: list[Backend], names: list[str] | None = None
+    config: Config, backends: list[Backend], names: list[str] | None = None,
+    progress: BuildProgress | None = None,
 ) -> tuple[list[GuardedCollector], dict[str, CollectorStatus]]:
     """Build the named collectors (default: ``[agent] collectors``, else all).
 
     Returns the running collectors, each wrapped in :class:`GuardedCollector`,
     and an ``unavailable`` status for each one that could not start, so a
     missing GPU or BPF never stops the others. Unknown names raise ``ValueError``.
+    ``progress`` (see :data:`BuildProgress`) lets a terminal show each collector as it starts.
     """
     wanted = list(names or config.agent.collectors or COLLECTOR_FACTORIES)
     unknown = [n for n in wanted if n not in COLLECTOR_FACTORIES]
@@ -133,6 +152,8 @@ def build_collectors(
     unavailable: dict[str, CollectorStatus] = {}
     try:
         for name in wanted:
+            if progress is not None:
+                progress(name, None)
             try:
                 running.append(GuardedCollector(COLLECTOR_FACTORIES[name](config, backends)))
             except CollectorUnavailable as exc:
@@ -140,6 +161,8 @@ def build_collectors(
             except Exception as exc:  # noqa: BLE001 - one broken collector must not stop the agent
                 log.warning("collector %s failed to start: %s", name, exc)
                 unavailable[name] = CollectorStatus(CollectorState.UNAVAILABLE, f"failed to start: {type(exc).__name__}: {exc}")
+            if progress is not None:
+                progress(name, unavailable.get(name, CollectorStatus(CollectorState.OK)))
     except BaseException:
         # Interrupted (Ctrl-C, SIGTERM) while a later collector compiled: close what already runs.
         for collector in running:

@@ -20,7 +20,7 @@ from llmdiag.model import HOST, CollectorState, Diagnosis, Severity
 if TYPE_CHECKING:
     from llmdiag.agent.loop import DiagnoseReport, Episode
 
-__all__ = ["diagnosis_renderable", "print_report", "render_report"]
+__all__ = ["diagnosis_renderable", "print_report", "render_report", "report_json", "verdict"]
 
 _SEVERITY_STYLE = {Severity.CRITICAL: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 _STATUS_STYLE = {CollectorState.OK: "green", CollectorState.DEGRADED: "yellow", CollectorState.UNAVAILABLE: "red"}
@@ -63,6 +63,27 @@ def diagnosis_renderable(d: Diagnosis, *, closed_at: float | None = None, enforc
     return Group(head, Padding(Text(d.summary), (0, 0, 0, 2)), Padding(evidence, (0, 0, 0, 2)), Padding(Text(f"-> {d.remediation}", style="italic"), (0, 0, 1, 2)))
 
 
+def verdict(report: DiagnoseReport) -> str:
+    """``healthy`` (nothing above info), ``warning`` or ``critical``."""
+    worst = report.worst
+    return "healthy" if worst in (None, Severity.INFO) else worst.value  # type: ignore[union-attr]
+
+
+def report_json(report: DiagnoseReport, interrupted: bool = False) -> dict[str, object]:
+    """``diagnose --json``: the report's diagnoses and backends, plus what a reader needs to trust
+    them: the verdict, the collectors' last statuses, the time range and the snapshot count."""
+    return {
+        "verdict": verdict(report),
+        **report.to_json(),
+        "collectors": {name: st.to_json() for name, st in sorted(report.collectors.items())},
+        "first_ts": report.first_ts,
+        "last_ts": report.last_ts,
+        "snapshots": report.snapshots,
+        "source": report.source,
+        "interrupted": interrupted,
+    }
+
+
 def render_report(report: DiagnoseReport, console: Console) -> None:
     span = ""
     if report.first_ts is not None and report.last_ts is not None:
@@ -98,10 +119,10 @@ def render_report(report: DiagnoseReport, console: Console) -> None:
         for e in episodes:
             console.print(Padding(_episode(e), (0, 0, 0, 2)))
     worst = report.worst
-    verdict = "healthy" if worst in (None, Severity.INFO) else worst.value
-    style = "green" if verdict == "healthy" else _SEVERITY_STYLE[worst]  # type: ignore[index]
+    said = verdict(report)
+    style = "green" if said == "healthy" else _SEVERITY_STYLE[worst]  # type: ignore[index]
     n = len(report.episodes)
-    console.print(Text(f"verdict: {verdict} ({n} {'diagnosis' if n == 1 else 'diagnoses'})", style=style))
+    console.print(Text(f"verdict: {said} ({n} {'diagnosis' if n == 1 else 'diagnoses'})", style=style))
 
 
 def print_report(report: DiagnoseReport, width: int | None = None) -> None:

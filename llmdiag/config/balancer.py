@@ -184,6 +184,11 @@ class BalancerConfig:
     choices: int = 4
     #: Sample candidates with replacement (Envoy's P2C) instead of d distinct ones.
     with_replacement: bool = False
+    #: Pools of at most this many eligible backends are scanned in full instead of sampled (pick stays
+    #: O(d) above it). 0 = always sample d. 8 = 2 d: where d choices would sample half the pool or more,
+    #: a scan costs little more (~8 candidates, ~2 us) and never misses the best backend; measured in the
+    #: simulator on long prompts (issue 14 point 3, docs/benchmarks.md).
+    full_scan_up_to: int = 8
     #: effective = score / (1 + in_flight_penalty * load).
     in_flight_penalty: float = 0.1
     #: load = (pending prefill tokens + this prompt) * slowness / tokens_per_slot + in-flight requests.
@@ -250,6 +255,8 @@ class BalancerConfig:
     def __post_init__(self) -> None:
         if self.choices < 0:
             raise ValueError(f"choices must be >= 0 (0 = all backends), got {self.choices}")
+        if self.full_scan_up_to < 0:
+            raise ValueError(f"full_scan_up_to must be >= 0, got {self.full_scan_up_to}")
         _non_negative("in_flight_penalty", self.in_flight_penalty)
         _positive("tokens_per_slot", self.tokens_per_slot)
         _unit("prefill_speed_alpha", self.prefill_speed_alpha)

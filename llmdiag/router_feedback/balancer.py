@@ -101,7 +101,7 @@ class Balancer:
         self._slots: dict[str, Slot] = {}
         self._health: dict[str, Health] = {}
         self._table = EMPTY_TABLE
-        self._choose = chooser(cfg.choices, cfg.with_replacement, cfg.in_flight_penalty)
+        self._choose = chooser(cfg.choices, cfg.with_replacement, cfg.in_flight_penalty, cfg.full_scan_up_to)
         self._long_tokens = cfg.errors.long_context_tokens
         #: Counters for exporters: "detected" and "enforced" are kept apart.
         self.counters: dict[str, int] = {

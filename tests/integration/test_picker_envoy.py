@@ -297,7 +297,8 @@ def test_node_agent_penalties_steer_picks(fleet, tmp_path):
 
     class Agent(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's naming
-            reason = Reason("queue_avalanche", Severity.CRITICAL, 0.95, "waiting queue grows")
+            # A kind the balancer cannot see for itself (self_observed_kinds are divided out of the score).
+            reason = Reason("gpu_memory_pressure", Severity.CRITICAL, 0.95, "allocation failures at 98 % memory")
             entry = BackendPenalty("vllm-a", address_a, 5.0, 0.95, 5, BackendState.DEGRADED, (reason,))
             body = PenaltiesDocument(ts=time.time(), host="node-a", ttl_seconds=5, backends=(entry,)).dumps().encode()
             self.send_response(200)
@@ -349,3 +350,45 @@ def test_model_header_fast_path_routes_with_the_body_intact(fleet):
     assert fleet.engine_successes("a") + fleet.engine_successes("b") == before + 6
     status, _, _ = fleet.post({"model": MODEL, "prompt": "hi"}, headers={"x-gateway-model-name": "no/such-model"})
     assert status == 404
+
+
+def test_discovered_backends_are_routed(fleet, tmp_path):
+    """``--discover HOST:PORT`` with no configured backend: the address it resolves to gets the traffic."""
+    grpc_port, metrics_port = free_port(), free_port()
+    picker = start_picker(tmp_path, [], grpc_port, metrics_port, "--discover", fleet.address("b"), name="picker-dns")
+    envoy, listen, _ = start_envoy(tmp_path, "picker", picker_port=grpc_port, name="envoy-dns")
+    try:
+        assert json.loads(request("GET", f"http://127.0.0.1:{metrics_port}/healthz")[2])["backends"] == [fleet.address("b")]
+        before = fleet.engine_successes("b")
+        for _ in range(3):
+            status, _, body = request("POST", f"http://127.0.0.1:{listen}/v1/completions",
+                                      {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert status == 200, body
+        assert fleet.engine_successes("b") == before + 3
+    finally:
+        envoy.stop()
+        picker.stop()
+
+
+def test_tls_between_envoy_and_the_picker(fleet, tmp_path):
+    """The inference gateways talk TLS to their picker: tls_cert_file/tls_key_file, a self-signed pair."""
+    import subprocess
+
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=llmdiag-picker",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    config = tmp_path / "tls.toml"
+    config.write_text(f'[picker]\ntls_cert_file = "{cert}"\ntls_key_file = "{key}"\n')
+    grpc_port, metrics_port = free_port(), free_port()
+    picker = start_picker(tmp_path, [f"http://{fleet.address('a')}"], grpc_port, metrics_port, config=config,
+                          name="picker-tls")
+    plain, plain_port, _ = start_envoy(tmp_path, "picker", picker_port=grpc_port, name="envoy-plain")
+    tls, tls_port, _ = start_envoy(tmp_path, "picker", picker_port=grpc_port, picker_tls=True, name="envoy-tls")
+    try:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        assert request("POST", f"http://127.0.0.1:{tls_port}/v1/completions", body)[0] == 200
+        assert request("POST", f"http://127.0.0.1:{plain_port}/v1/completions", body)[0] == 500  # plaintext refused
+    finally:
+        tls.stop()
+        plain.stop()
+        picker.stop()
