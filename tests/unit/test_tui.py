@@ -25,7 +25,7 @@ def _app(paused: bool = False) -> TopApp:
     return TopApp(source, toasts=False)
 
 
-async def _until(pilot: Any, check: Any, tries: int = 200) -> None:
+async def _until(pilot: Any, check: Any, tries: int = 1500) -> None:  # up to 30 s on a loaded machine
     for _ in range(tries):
         if check():
             return
