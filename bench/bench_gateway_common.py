@@ -194,7 +194,7 @@ def _serve_engine_agent(port: int, engines: list[str]) -> None:
 
     from llmdiag.analyzers.analyzer import Analyzer
     from llmdiag.analyzers.penalties import addresses_of, penalties_document
-    from llmdiag.cli.wiring import snapshot_ticks
+    from llmdiag.agent.wiring import snapshot_ticks
     from llmdiag.config import Config
 
     config = Config().with_backends(engines)

@@ -33,7 +33,9 @@ import argparse
 import asyncio
 import json
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -81,17 +83,42 @@ def run_live(policy: str, args: argparse.Namespace, schedule: list, fault_at: fl
         if wait > 0:
             time.sleep(wait)
         offset = time.monotonic() - t_engines - lead  # how late the load started against the fault clock
+        waiting: list[list[float]] = []
+        done = threading.Event()
+        watcher = threading.Thread(target=_watch_waiting, args=(engines, waiting, done), daemon=True)
+        watcher.start()
         report = asyncio.run(run_load([target], schedule, timeout=args.timeout, slo_ttft_s=args.slo,
                                       duration_s=args.duration))
+        done.set()
+        watcher.join(5)
     s = report.summary()
     s["fault_at_load_s"] = round(fault_at - offset, 2)
     s["before_fault"] = window(report, 5.0, fault_at - offset, args.slo)
     s["after_fault"] = window(report, fault_at - offset + 5.0, args.duration, args.slo)
+    s["engines_waiting"] = waiting  # [t since load start, waiting per engine...] every 2 s
+    s["requests_detail"] = [[round(r.sent_at, 3), None if r.ttft is None else round(r.ttft, 4), r.status, r.backend]
+                            for r in report.results]
     slow = f"127.0.0.1:{engines[-1].rsplit(':', 1)[1]}"
     if s["backends"]:
         after = [r.backend for r in report.results if r.sent_at >= fault_at - offset + 5.0 and r.backend]
         s["slow_engine_share_after_fault"] = round(after.count(slow) / len(after), 4) if after else None
     return s
+
+
+def _watch_waiting(engines: list[str], out: list[list[float]], done: threading.Event) -> None:
+    """Every 2 s, each engine's ``vllm:num_requests_waiting`` (to set the live queue beside the simulator's)."""
+    t0 = time.monotonic()
+    while not done.wait(2.0):
+        row = [round(time.monotonic() - t0, 1)]
+        for url in engines:
+            try:
+                with urllib.request.urlopen(url + "/metrics", timeout=1.0) as resp:
+                    text = resp.read().decode()
+                row.append(next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                                 if line.startswith("vllm:num_requests_waiting{")), -1.0))
+            except OSError:
+                row.append(-1.0)
+        out.append(row)
 
 
 def run_sim(policy: str, args: argparse.Namespace, schedule: list, fault_at: float) -> dict:
@@ -104,6 +131,9 @@ def run_sim(policy: str, args: argparse.Namespace, schedule: list, fault_at: flo
     config = SimConfig(client_timeout_s=args.timeout, ttft_slo_s=args.slo)
     result = ClusterSim(specs, trace, policy, config=config, seed=args.seed).run()
     out = result.summary()
+    series = result.series
+    out["engines_waiting"] = [[round(t, 1), *(w[k] for w in series["waiting"])]
+                              for k, t in enumerate(series["t"]) if k % 2 == 0]
     out["dispatch_share"] = [round(x, 4) for x in result.dispatch_share]
     return out
 

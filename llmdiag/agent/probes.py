@@ -8,8 +8,9 @@ completion (:class:`llmdiag.router_feedback.probes.AiohttpProbeClient`):
 * 200 with choices -> ``Balancer.on_probe(ok=True)`` (leaves ejection after ``probe_successes``);
 * 429 or 503 -> ``Balancer.on_finish(status, body)``: the error classifier decides (a saturation
   body cools the backend: agent-check ``drain``; a client quota is not held against it);
-* anything else (refused, timeout, 5xx, garbage) -> ``on_probe(ok=False)``; ``consecutive_failures``
-  in a row eject the backend (agent-check ``down``).
+* anything else (refused, timeout, 5xx, garbage) -> ``on_probe(ok=False)`` (``refused`` said, so that
+  one good probe re-admits a restarted engine); ``consecutive_failures`` in a row eject the backend
+  (agent-check ``down``).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class AgentProber:
             else:
                 self.failures_total += 1
                 log.info("probe of %s failed: %s", backend.name, result.detail or result.status)
-                balancer.on_probe(backend.name, False)
+                balancer.on_probe(backend.name, False, refused=result.refused)
         return out
 
     async def _probe(self, backend: Backend, timeout: float) -> ProbeResult:

@@ -105,7 +105,7 @@ def handle(args: argparse.Namespace, config: Config) -> int:
     console.print(f"starting the demo fleet: {fleet.describe()}; faults from {args.fault_at:g} s: "
                   "vllm-1 churns connections, vllm-2 loses KV and slows, vllm-3 slows and its clients cancel "
                   f"(HTTP and gRPC), vllm-4 crashes at {args.fault_at + 30:g} s")
-    fleet.start()
+    fleet.reserve_ports()  # demo_snapshots builds the collectors, then starts the fleet
     live = None
     try:
         loop = AgentLoop(config, fleet.backends())

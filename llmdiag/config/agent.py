@@ -26,7 +26,8 @@ class AgentConfig:
     hostname: str = ""
     #: Find engines on local listening sockets when no backends are configured.
     discover: bool = True
-    #: Seconds between re-runs of discovery (engines that start after the agent), when discovering.
+    #: Seconds between re-resolutions of the backends: engines that start after the agent (with
+    #: discovery) and engines that restarted (a new pid) are picked up.
     discover_interval_seconds: float = 30.0
     #: Collectors to run (names as in ``llmdiag collect --collectors``); empty = all that are available.
     collectors: tuple[str, ...] = ()

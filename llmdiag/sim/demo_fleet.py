@@ -12,10 +12,11 @@ The fault script (:func:`default_fleet`, times from ``fault_at``):
 backend    what happens                                                 what llmdiag should name
 ========== =========================================================== ===========================================
 vllm-0     nothing: the healthy control                                 nothing (warning or worse)
-vllm-1     from ``fault_at`` a client that does not pool connections    ``connection_churn`` /
-           sends ~25 tiny requests/s, one TCP connection each           ``timewait_exhaustion``
-vllm-2     at ``fault_at`` loses 75 % of its KV cache and slows to      ``kv_cache_saturation`` /
-           0.35x (a throttled GPU) while ``/health`` stays 200          ``queue_avalanche`` / ``false_healthy``
+vllm-1     from ``fault_at`` a client that does not pool connections    ``connection_churn``
+           sends ~25 tiny requests/s, one TCP connection each
+           (``Connection: close``: TIME_WAIT piles up on the server)
+vllm-2     at ``fault_at`` loses 80 % of its KV cache and slows to      ``kv_cache_saturation`` /
+           0.25x (a throttled GPU) while ``/health`` stays 200          ``queue_avalanche`` / ``false_healthy``
 vllm-3     at ``fault_at`` slows to 0.2x; impatient HTTP clients (2 s)  ``client_timeout_storm``
            disconnect and a gRPC client (2 s deadline) cancels its      (RST_STREAM(CANCEL) on ``vllm-3-grpc``)
            streams on the engine's h2c gRPC port
@@ -35,6 +36,7 @@ import asyncio
 import itertools
 import math
 import random
+import socket
 import threading
 import time
 from collections import Counter
@@ -88,7 +90,7 @@ class ScriptedClient:
 
 def default_fleet(fault_at: float = 15.0) -> list[FleetEngine]:
     """Five engines; the fault script of the module docstring."""
-    kv_slow = parse_faults(f"kv_shrink:start={fault_at},factor=0.25;slowdown:start={fault_at},speed=0.35")
+    kv_slow = parse_faults(f"kv_shrink:start={fault_at},factor=0.2;slowdown:start={fault_at},speed=0.25")
     slow = parse_faults(f"slowdown:start={fault_at},speed=0.2")
     crash = parse_faults(f"crash:start={fault_at + 30},down=20")
     return [FleetEngine("vllm-0"), FleetEngine("vllm-1"), FleetEngine("vllm-2", faults=kv_slow),
@@ -100,8 +102,8 @@ def default_clients(fault_at: float = 15.0) -> list[ScriptedClient]:
     return [
         ScriptedClient("no-keepalive", "vllm-1", rate_rps=25.0, start=fault_at, pooled=False, timeout_s=10.0,
                        prompt_tokens=16, max_tokens=1),
-        ScriptedClient("impatient-http", "vllm-3", rate_rps=2.0, start=fault_at, timeout_s=2.0),
-        ScriptedClient("impatient-grpc", "vllm-3", rate_rps=2.0, start=fault_at, timeout_s=2.0, protocol="grpc"),
+        ScriptedClient("impatient-http", "vllm-3", rate_rps=3.0, start=fault_at, timeout_s=2.0),
+        ScriptedClient("impatient-grpc", "vllm-3", rate_rps=3.0, start=fault_at, timeout_s=2.0, protocol="grpc"),
     ]
 
 
@@ -122,12 +124,15 @@ def sample_lengths(rng: random.Random) -> tuple[int, int]:
 
 
 async def _one_request(session: aiohttp.ClientSession, url: str, model: str, prompt: int, output: int,
-                       timeout_s: float, stats: LoadStats) -> None:
+                       timeout_s: float, stats: LoadStats, close: bool = False) -> None:
     body = {"model": model, "prompt_tokens": prompt, "max_tokens": output, "stream": True}
+    # ``Connection: close`` (an HTTP/1.0-style client): the server closes after the response,
+    # so the TIME_WAIT piles up on the server's side, where its own counters see it.
+    headers = {"Connection": "close"} if close else None
     start = time.monotonic()
     try:
         async with asyncio.timeout(timeout_s):
-            async with session.post(f"{url}/v1/completions", json=body) as resp:
+            async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
                 if resp.status != 200:
                     await resp.read()
                     stats.statuses[str(resp.status)] += 1
@@ -227,14 +232,20 @@ async def run_client(client: ScriptedClient, url: str, model: str, *, seed: int,
 
             await _arrivals(client.rate_rps, rng, stop, math.inf, launch_grpc)
         return
-    # force_close: a new TCP connection per request, closed by the client: TIME_WAIT piles up here.
+    # force_close: a new TCP connection per request (never reused).
     connector = aiohttp.TCPConnector(limit=0, force_close=not client.pooled)
     async with aiohttp.ClientSession(connector=connector) as session:
         def launch_http():  # type: ignore[no-untyped-def]
             stats.sent += 1
-            return _one_request(session, url, model, *lengths(), client.timeout_s, stats)
+            return _one_request(session, url, model, *lengths(), client.timeout_s, stats, close=not client.pooled)
 
         await _arrivals(client.rate_rps, rng, stop, math.inf, launch_http)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 class DemoFleet:
@@ -260,17 +271,35 @@ class DemoFleet:
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
         self._stopped = False
+        self._stop_requested = False
+        self._ports: dict[str, tuple[int, int | None]] = {}
+
+    def reserve_ports(self) -> None:
+        """Pick the engines' ports now (free ports from the OS), so that collectors can be built,
+        and BPF compiled, before the engines start and the fault clock runs (idempotent)."""
+        if self._ports:
+            return
+        for spec in self.specs:
+            self._ports[spec.name] = (_free_port(), _free_port() if spec.grpc else None)
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
 
     @property
     def urls(self) -> dict[str, str]:
-        """Engine name -> ``http://127.0.0.1:PORT``."""
-        return {spec.name: eng.url for spec, eng in zip(self.specs, self.engines)}
+        """Engine name -> ``http://127.0.0.1:PORT`` (after :meth:`reserve_ports` or :meth:`start`)."""
+        if self.engines:
+            return {spec.name: eng.url for spec, eng in zip(self.specs, self.engines)}
+        return {name: f"http://127.0.0.1:{http}" for name, (http, _) in self._ports.items()}
 
     @property
     def grpc_urls(self) -> dict[str, str]:
         """gRPC backend name (``<engine>-grpc``) -> ``grpc://127.0.0.1:PORT``."""
-        return {spec.name + GRPC_SUFFIX: f"grpc://{eng.options.host}:{eng.grpc_port}"
-                for spec, eng in zip(self.specs, self.engines) if eng.grpc_port}
+        if self.engines:
+            return {spec.name + GRPC_SUFFIX: f"grpc://{eng.options.host}:{eng.grpc_port}"
+                    for spec, eng in zip(self.specs, self.engines) if eng.grpc_port}
+        return {name + GRPC_SUFFIX: f"grpc://127.0.0.1:{grpc}" for name, (_, grpc) in self._ports.items() if grpc}
 
     def backends(self) -> list[Backend]:
         """The running engines as backends: HTTP ones, then the gRPC ports."""
@@ -293,6 +322,7 @@ class DemoFleet:
 
     def stop(self) -> None:
         """Stop the clients and the engines (idempotent; safe from any thread but the fleet's)."""
+        self._stop_requested = True
         if self._loop is not None and self._stop is not None and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(self._stop.set)
@@ -311,9 +341,10 @@ class DemoFleet:
         t0 = time.monotonic()
         try:
             for i, spec in enumerate(self.specs):
+                http_port, grpc_port = self._ports.get(spec.name, (0, 0 if spec.grpc else None))
                 engine = FakeEngine(FakeEngineOptions(
-                    port=0, model=self.model, profile=spec.profile, kv_capacity_tokens=spec.kv_capacity_tokens,
-                    faults=spec.faults, seed=self.seed + i, grpc_port=0 if spec.grpc else None))
+                    port=http_port, model=self.model, profile=spec.profile, kv_capacity_tokens=spec.kv_capacity_tokens,
+                    faults=spec.faults, seed=self.seed + i, grpc_port=grpc_port))
                 self.engines.append(engine)
                 await engine.start()
         except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
@@ -322,6 +353,8 @@ class DemoFleet:
             await self._stop_engines()
             return
         self._ready.set()
+        if self._stop_requested:  # stop() came while the engines were starting
+            self._stop.set()
         by_name = dict(zip((s.name for s in self.specs), self.engines))
         tasks = []
         for i, client in enumerate(self.clients):

@@ -60,6 +60,9 @@ interval_seconds = 0.3
 discover_interval_seconds = 0.5
 collectors = ["engine", "proc"]
 
+[balancer]
+probe_ejected_interval_seconds = 0.5
+
 [[backends]]
 name = "late"
 url = "http://127.0.0.1:{late_port}"
@@ -80,8 +83,20 @@ url = "http://127.0.0.1:{late_port}"
         wait_for("the stopped engine to be seen down", lambda: agent.state()["snapshot"]["backends"]["late"]["up"] == 0,
                  20, 0.3)
         with _engine(late_port):
-            wait_for("the restarted engine to warm up again", lambda: backend("warming"), 20, 0.2)
-            wait_for("the restarted engine to be healthy again", lambda: backend("healthy"), 30, 0.3)
+            # Picked up without restarting the agent: its new pid is noticed, the engine comes back
+            # through the breaker and ramps up again instead of jumping to full weight.
+            seen: list[tuple[str, float]] = []
+
+            def back_and_healthy() -> bool:
+                b = agent.state()["backends"]["late"]
+                seen.append((b["state"], b["score"]))
+                return b["state"] == "healthy" and any(s != "healthy" for s, _ in seen)
+
+            wait_for("the restarted engine to be healthy again", back_and_healthy, 40, 0.2)
+            assert agent.state()["snapshot"]["backends"]["late"]["up"] == 1
+            assert any(state in ("warming", "half_open", "ejected") for state, _ in seen), seen
+            assert min(score for _, score in seen) < 50, seen
+        wait_for("the restart in the log", lambda: "restarted" in agent.log(), 10, 0.2)
         assert http(agent.url + "/healthz")[0] == 200
     finally:
         code, log, took = agent.stop()

@@ -58,7 +58,7 @@ url = "{2}"
 engine = "vllm"
 """
 ENGINE = ["--profile", "llama-70b-a100-tp8", "--kv-capacity", "60000", "--model", "fake/llama-70b"]
-BAD = [*ENGINE, "--queue-limit", "3", "--faults",
+BAD = [*ENGINE, "--queue-limit", "1", "--faults",
        f"kv_shrink:start={FAULT_AT},duration={CRASH_AT - FAULT_AT},factor=0.25;"
        f"slowdown:start={FAULT_AT},duration={CRASH_AT - FAULT_AT},speed=0.35;"
        f"crash:start={CRASH_AT},down={DOWN_FOR},warmup_s=0"]

@@ -41,7 +41,8 @@ def test_example_runs_as_written(example: str) -> None:
         snapshot = json.loads(first)
         assert snapshot["schema"] == "llmdiag.snapshot/v1"
         name = shlex.split(example)[3].split(",")[0]
-        assert snapshot["collectors"][name]["status"] == "ok", snapshot["collectors"]
+        # Running: ok, or degraded when nothing listens on the example's port on this host.
+        assert snapshot["collectors"][name]["status"] in ("ok", "degraded"), snapshot["collectors"]
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)  # drains stdout, so a full pipe cannot block the exit
         assert proc.returncode == 130, err

@@ -11,7 +11,7 @@ on top.
 from __future__ import annotations
 
 from textual import work
-from textual.app import App
+from textual.app import App, ScreenStackError
 from textual.binding import Binding
 from textual.worker import get_current_worker
 
@@ -108,18 +108,19 @@ class TopApp(App[None]):
         self._redraw()
 
     def _redraw(self) -> None:
-        refresh = getattr(self.screen, "refresh_from", None)
-        if refresh is not None and self.screen.is_mounted:
+        try:
+            screen = self.screen
+        except ScreenStackError:  # a tick that arrives while the app shuts down
+            return
+        refresh = getattr(screen, "refresh_from", None)
+        if refresh is not None and screen.is_mounted:
             refresh(self.model)
 
     # -- status line ------------------------------------------------------------------
     def status_line(self) -> str:
+        """Play state first (it must survive an 80-column terminal), then when, where and what."""
         state = self.model.state
-        parts = [f"llmdiag top · {self.source.description}"]
-        if state is not None:
-            parts.append(f"{state.host or '?'} · {utc(state.ts)} · tick {self.model.ticks}")
-        else:
-            parts.append("waiting for the first tick...")
+        parts = [f"tick {self.model.ticks}" if state is not None else "waiting for the first tick..."]
         if isinstance(self.source, ReplaySource):
             parts.append(("paused" if self.source.paused else "playing") + f" x{self.source.speed:g}")
         if self.ended:
@@ -128,6 +129,9 @@ class TopApp(App[None]):
             parts.append(f"source failed: {self.error}")
         elif getattr(self.source, "error", None):
             parts.append(f"agent unreachable: {self.source.error}")  # type: ignore[attr-defined]
+        if state is not None:
+            parts.append(f"{utc(state.ts)} · {state.host or '?'}")
+        parts.append(self.source.description)
         return " · ".join(parts) + " · ? help"
 
     # -- actions ------------------------------------------------------------------------

@@ -20,17 +20,20 @@ def demo_snapshots(config: Config, fleet: DemoFleet, *, duration: float | None =
                    sleep: Callable[[float], None] = time.sleep) -> Iterator[Snapshot]:
     """One snapshot per ``[agent] interval_seconds`` of the running fleet, with the real collectors.
 
-    The HTTP engines go to the engine, proc, tcp and timewait collectors; the gRPC
+    Ports are reserved and the collectors built before the fleet starts (if it has
+    not yet). The HTTP engines go to the engine, proc, tcp and timewait collectors; the gRPC
     ports (``vllm-3-grpc``) only to the http2 collector, which is the one that can
     read them (the engine collector scrapes ``/metrics`` over HTTP). Collectors
     are closed when the generator ends or is closed.
     """
+    fleet.reserve_ports()
     backends = fleet.backends()
     http = [b for b in backends if b.scheme != "grpc"]
     grpc = [b for b in backends if b.scheme == "grpc"]
-    names = [n for n in DEMO_COLLECTORS if n != "http2"]
+    wanted = list(config.agent.collectors or DEMO_COLLECTORS)  # [agent] collectors narrows them
+    names = [n for n in wanted if n != "http2"]
     collectors, unavailable = build_collectors(config, http, names)
-    if grpc and "http2" in DEMO_COLLECTORS:
+    if grpc and "http2" in wanted:
         try:
             more, more_unavailable = build_collectors(config, grpc, ["http2"])
         except BaseException:
@@ -39,6 +42,15 @@ def demo_snapshots(config: Config, fleet: DemoFleet, *, duration: float | None =
             raise
         collectors += more
         unavailable.update(more_unavailable)
+    if not fleet.started:
+        # Collectors first (BPF compiles for seconds), then the fleet: the fault script's clock
+        # starts with the engines, so the healthy phase before the faults is all recorded.
+        try:
+            fleet.start()
+        except BaseException:
+            for c in collectors:
+                c.close()
+            raise
     hostname = config.agent.hostname or socket.gethostname()
     interval = config.agent.interval_seconds
     ticks = None if duration is None else max(1, int(round(duration / interval)))
@@ -62,7 +74,7 @@ def demo_snapshots(config: Config, fleet: DemoFleet, *, duration: float | None =
 def demo_source(config: Config, duration: float | None = None, fleet: DemoFleet | None = None) -> LiveSource:
     """Start the demo fleet and watch it with the real collectors; closing the source stops the fleet."""
     fleet = fleet or DemoFleet()
-    fleet.start()
+    fleet.reserve_ports()  # the fleet itself starts on the reading thread, once the collectors are built
     return LiveSource(
         config, fleet.backends(),
         lambda sleep: demo_snapshots(config, fleet, duration=duration, sleep=sleep),
