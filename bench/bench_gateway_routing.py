@@ -14,13 +14,11 @@ Live policies, each on fresh engines with the same schedule:
 
 - ``gateway``: ``llmdiag gateway`` (balancer fed by its own TTFT/status
   feedback and the engines' ``/metrics``);
-- ``gateway_agent``: the same plus node penalties from an agent
-  (``bench_gateway_common.py agent``: the real engine collector and analyzers
-  serving ``/v1/penalties``; ``llmdiag agent`` itself is not on main yet);
-- ``haproxy_rr``, ``haproxy_leastconn``: HAProxy 2.6 roundrobin / leastconn.
-
-HAProxy driven by the agent's agent-check is not run: the agent-check server
-belongs to ``llmdiag agent``, which is not on main yet.
+- ``gateway_agent``: the same plus node penalties from ``llmdiag agent``
+  (engine collector only: the fake engines have no GPU, and no BPF compile);
+- ``haproxy_rr``, ``haproxy_leastconn``: HAProxy 2.6 roundrobin / leastconn;
+- ``haproxy_agentcheck``: HAProxy roundrobin whose server weights ``llmdiag
+  agent`` sets over the agent-check protocol (``agent-inter 1s``).
 
 The simulator (:class:`llmdiag.sim.cluster.ClusterSim`) then runs the same
 schedule, engines and fault with its ``llmdiag``, ``round_robin`` and
@@ -47,8 +45,10 @@ from llmdiag.sim.engine_model import PRESETS  # noqa: E402
 from llmdiag.sim.faults import Fault, FaultSchedule  # noqa: E402
 from llmdiag.sim.workload import Trace, load_trace  # noqa: E402
 
-LIVE = ("gateway", "gateway_agent", "haproxy_rr", "haproxy_leastconn")
-SIM = {"gateway": "llmdiag", "gateway_agent": "llmdiag", "haproxy_rr": "round_robin", "haproxy_leastconn": "least_conn"}
+LIVE = ("gateway", "gateway_agent", "haproxy_rr", "haproxy_leastconn", "haproxy_agentcheck")
+#: The simulator's nearest policy (none models HAProxy weights set by agent-check).
+SIM = {"gateway": "llmdiag", "gateway_agent": "llmdiag", "haproxy_rr": "round_robin", "haproxy_leastconn": "least_conn",
+       "haproxy_agentcheck": None}
 
 
 def window(report: LoadReport, lo: float, hi: float, slo: float) -> dict:
@@ -71,8 +71,12 @@ def run_live(policy: str, args: argparse.Namespace, schedule: list, fault_at: fl
         if policy == "gateway":
             target = fleet.gateway(free_port(), engines)
         elif policy == "gateway_agent":
-            agent = fleet.engine_agent(free_port(), engines)
+            agent = fleet.llmdiag_agent(free_port(), free_port(), engines)
             target = fleet.gateway(free_port(), engines, agents=[agent])
+        elif policy == "haproxy_agentcheck":
+            check_port = free_port()
+            fleet.llmdiag_agent(free_port(), check_port, engines)
+            target = fleet.haproxy(free_port(), engines, "roundrobin", agent_port=check_port)
         elif policy == "haproxy_rr":
             target = fleet.haproxy(free_port(), engines, "roundrobin")
         elif policy == "haproxy_leastconn":
@@ -171,7 +175,7 @@ def main() -> None:
         result["live"][policy] = run_live(policy, args, schedule, args.fault_at)
         live = result["live"][policy]
         print(f"  TTFT p99 {live['ttft_s']['p99']} s, goodput {live['goodput_rps']} req/s, errors {live['errors']}", flush=True)
-    for name in sorted({SIM[p] for p in policies}):
+    for name in sorted({SIM[p] for p in policies if SIM[p]}):
         print(f"sim: {name} ...", flush=True)
         result["sim"][name] = run_sim(name, args, schedule, args.fault_at)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
@@ -179,10 +183,10 @@ def main() -> None:
     lines = ["| policy | live P99 TTFT (s) | live goodput (req/s) | live errors | P99 TTFT after the fault | slow engine's share after | sim policy | sim P99 TTFT (s) | sim goodput (req/s) |",
              "|---|---:|---:|---|---:|---:|---|---:|---:|"]
     for policy in policies:
-        live, sim = result["live"][policy], result["sim"][SIM[policy]]
+        live, sim = result["live"][policy], result["sim"].get(SIM[policy] or "", {"ttft_p99": None, "goodput_rps": "-"})
         share = live.get("slow_engine_share_after_fault")
         lines.append(f"| {policy} | {_f(live['ttft_s']['p99'])} | {live['goodput_rps']} | {live['errors'] or '-'} | "
-                     f"{_f(live['after_fault']['ttft_p99'])} | {'-' if share is None else share} | {SIM[policy]} | "
+                     f"{_f(live['after_fault']['ttft_p99'])} | {'-' if share is None else share} | {SIM[policy] or '-'} | "
                      f"{_f(sim['ttft_p99'])} | {sim['goodput_rps']} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -196,7 +200,8 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     xs = range(len(policies))
     ax.bar([x - 0.2 for x in xs], [result["live"][p]["ttft_s"]["p99"] or 0 for p in policies], 0.4, label="live")
-    ax.bar([x + 0.2 for x in xs], [result["sim"][SIM[p]]["ttft_p99"] or 0 for p in policies], 0.4, label="simulator")
+    ax.bar([x + 0.2 for x in xs], [result["sim"][SIM[p]]["ttft_p99"] or 0 if SIM[p] else 0 for p in policies], 0.4,
+           label="simulator")
     ax.set_xticks(list(xs), policies)
     ax.set_ylabel("P99 TTFT (s)")
     ax.set_title(f"{args.engines} fake engines, one at {args.speed:g}x speed from t={args.fault_at:g} s")
