@@ -8,7 +8,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from llmdiag.agent.wiring import build_collectors
+from llmdiag.agent.wiring import BuildProgress, build_collectors
 from llmdiag.collectors.base import GuardedCollector, collect_snapshot
 from llmdiag.config import Config
 from llmdiag.model import Backend, CollectorStatus, Sample, Snapshot
@@ -73,6 +73,7 @@ def snapshot_ticks(
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
     monotonic: Callable[[], float] | None = None,
+    progress: BuildProgress | None = None,
 ) -> Iterator[Snapshot]:
     """Build the collectors and yield one snapshot every ``[agent] interval_seconds``.
 
@@ -84,11 +85,11 @@ def snapshot_ticks(
     consumer stops). ``prime`` runs one unreported tick first, so that rates and window
     quantiles exist in the first snapshot yielded. Collectors are closed when the generator
     ends or is closed (BPF programs detached). Unknown collector names raise ``ValueError``
-    before anything is yielded.
+    before anything is yielded. ``progress`` is passed to :func:`build_collectors`.
     """
     if duration is not None and not (math.isfinite(duration) and duration > 0):
         raise ValueError(f"duration must be a positive number of seconds, got {duration!r}")
-    collectors, unavailable = build_collectors(config, backends, names)
+    collectors, unavailable = build_collectors(config, backends, names, progress)
     hostname = config.agent.hostname or socket.gethostname()
     interval = config.agent.interval_seconds
     ticks = None if duration is None else max(1, int(round(duration / interval)))

@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from llmdiag.collectors.base import Collector, GuardedCollector
+from llmdiag.collectors.base import Collector, CollectorUsageError, GuardedCollector
 from llmdiag.collectors.discovery import discover_engines, local_backend_pids
 from llmdiag.collectors.gpu import build_gpu_collector
 from llmdiag.collectors.kube import PodMetadataReader
@@ -124,14 +124,21 @@ def resolve_backends(config: Config, kube: PodMetadataReader | None = None) -> l
         return backends
 
 
+#: ``progress(name, status)``: ``status`` None when collector ``name`` starts building (a BPF
+#: compile takes seconds), then its status once built (ok, or unavailable with the reason).
+BuildProgress = Callable[[str, CollectorStatus | None], None]
+
+
 def build_collectors(
-    config: Config, backends: list[Backend], names: list[str] | None = None
+    config: Config, backends: list[Backend], names: list[str] | None = None,
+    progress: BuildProgress | None = None,
 ) -> tuple[list[GuardedCollector], dict[str, CollectorStatus]]:
     """Build the named collectors (default: ``[agent] collectors``, else all).
 
     Returns the running collectors, each wrapped in :class:`GuardedCollector`,
     and an ``unavailable`` status for each one that could not start, so a
     missing GPU or BPF never stops the others. Unknown names raise ``ValueError``.
+    ``progress`` (see :data:`BuildProgress`) lets a terminal show each collector as it starts.
     """
     wanted = list(names or config.agent.collectors or COLLECTOR_FACTORIES)
     unknown = [n for n in wanted if n not in COLLECTOR_FACTORIES]
@@ -143,13 +150,19 @@ def build_collectors(
     unavailable: dict[str, CollectorStatus] = {}
     try:
         for name in wanted:
+            if progress is not None:
+                progress(name, None)
             try:
                 running.append(GuardedCollector(COLLECTOR_FACTORIES[name](config, backends)))
             except CollectorUnavailable as exc:
                 unavailable[name] = CollectorStatus(CollectorState.UNAVAILABLE, str(exc))
+            except CollectorUsageError:
+                raise  # the user's input is wrong (--nvml-replay FILE): the command exits 64 naming it
             except Exception as exc:  # noqa: BLE001 - one broken collector must not stop the agent
                 log.warning("collector %s failed to start: %s", name, exc)
                 unavailable[name] = CollectorStatus(CollectorState.UNAVAILABLE, f"failed to start: {type(exc).__name__}: {exc}")
+            if progress is not None:
+                progress(name, unavailable.get(name, CollectorStatus(CollectorState.OK)))
     except BaseException:
         # Interrupted (Ctrl-C, SIGTERM) while a later collector compiled: close what already runs.
         for collector in running:

@@ -59,10 +59,6 @@ class AnalysisResult:
     closed: tuple[Diagnosis, ...]
     backends: dict[str, BackendHealth]
 
-    def worst_severity(self) -> str | None:
-        ranks = [d.severity for d in self.open]
-        return max(ranks, key=lambda s: s.rank).value if ranks else None
-
 
 @dataclass(slots=True)
 class _Track:

@@ -36,10 +36,6 @@ class Match:
     first: Event
     second: Event
 
-    @property
-    def gap_seconds(self) -> float:
-        return self.second.ts - self.first.ts
-
 
 def _by_key(events: Iterable[Event]) -> dict[str, list[Event]]:
     out: dict[str, list[Event]] = defaultdict(list)

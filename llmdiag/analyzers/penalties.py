@@ -16,14 +16,13 @@ from dataclasses import dataclass
 
 from llmdiag.model import (
     HOST,
-    Backend,
     BackendState,
     Diagnosis,
     Reason,
     combine_penalties,
 )
 
-__all__ = ["BackendHealth", "addresses_of", "backend_health"]
+__all__ = ["BackendHealth", "backend_health"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +54,3 @@ def backend_health(
         out[name] = BackendHealth(penalty, state, tuple(Reason.from_diagnosis(d) for d in ds))
     return out
 
-
-def addresses_of(backends: Iterable[Backend]) -> dict[str, str]:
-    return {b.name: b.address for b in backends}

@@ -188,12 +188,6 @@ class WindowStore:
             return (seconds, 0.0) if s.ts[last] <= self._now - seconds else None
         return s.ts[last] - s.ts[i], max(0.0, s.values[last] - s.values[i])
 
-    def max_since(self, key: str, seconds: float) -> float | None:
-        s = self._series.get(key)
-        if s is None:
-            return None
-        return max((v for _, v in s.points_since(self._now - seconds)), default=None)
-
     def increments(self, key: str, seconds: float) -> list[tuple[float, float]]:
         """``(ts, amount)`` for every tick in the window where a counter rose (for correlation)."""
         s = self._series.get(key)

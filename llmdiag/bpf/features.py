@@ -60,8 +60,13 @@ def tracefs_root(sys_root: str | Path = "/sys") -> Path | None:
     """The mounted tracefs (``events/`` present), or ``None``."""
     for rel in _TRACEFS_CANDIDATES:
         path = Path(sys_root) / rel
-        if (path / "events").is_dir():
-            return path
+        try:
+            if (path / "events").is_dir():
+                return path
+        except PermissionError:
+            # tracefs is mode 0700 root: a non-root user cannot even look. check_environment()
+            # then says "not root" with the way out, instead of a bare PermissionError.
+            continue
     return None
 
 

@@ -79,6 +79,7 @@ __all__ = [
     "Program",
     "check_environment",
     "cflags",
+    "program_tracepoints",
     "render",
     "source_path",
 ]
@@ -231,6 +232,23 @@ class AttachPoint:
 
     def describe(self) -> str:
         return f"{self.kind}:{self.target}"
+
+
+_PROBE_MACRO = re.compile(r"^\s*(RAW_TRACEPOINT_PROBE|TRACEPOINT_PROBE)\(\s*(\w+)\s*(?:,\s*(\w+)\s*)?\)", re.M)
+
+
+def program_tracepoints(name: str) -> tuple[tuple[str, str], ...]:
+    """``(category, event)`` of every ``TRACEPOINT_PROBE`` in ``bpf/<name>.bpf.c``, in source
+    order, and ``("raw", event)`` for a ``RAW_TRACEPOINT_PROBE``: what the program attaches to,
+    read from the program itself (needs neither bcc nor root). Some sit under ``#if``: a
+    feature the kernel lacks compiles them out."""
+    text = (BPF_DIR / f"{name}.bpf.c").read_text()
+    out: list[tuple[str, str]] = []
+    for macro, first, second in _PROBE_MACRO.findall(text):
+        point = ("raw", first) if macro == "RAW_TRACEPOINT_PROBE" else (first, second)
+        if point not in out:
+            out.append(point)
+    return tuple(out)
 
 
 def choose(candidates: Sequence[AttachPoint]) -> AttachPoint | None:

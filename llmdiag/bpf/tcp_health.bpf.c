@@ -74,6 +74,9 @@
 #ifndef MAX_PIDS
 #define MAX_PIDS 1024
 #endif
+#ifndef MAX_OWN
+#define MAX_OWN 4096
+#endif
 
 #define FAMILY_INET 2
 #define FAMILY_INET6 10
@@ -94,6 +97,9 @@ BPF_HASH(stats, struct endpoint_key, struct tcp_stats, MAX_ENDPOINTS);
 BPF_HASH(connect_hist, struct hist_key, u64, MAX_HIST);
 BPF_TABLE("lru_hash", u64, u64, connect_start, MAX_SOCKS);     /* sk -> SYN_SENT ts */
 BPF_HASH(timed_pids, u32, u8, MAX_PIDS);                        /* tgid -> 1 */
+/* llmdiag's own connections (its scrapes), key (local port << 16) | remote port, set from
+ * user space before each connect: never counted against a backend. */
+BPF_HASH(own_conns, u32, u8, MAX_OWN);
 BPF_TABLE("lru_hash", u32, u64, send_start, 16384);            /* tid -> send syscall entry ts */
 
 /* The head of struct sock_common (include/net/sock.h) up to skc_v6_rcv_saddr.
@@ -153,10 +159,19 @@ static __always_inline int is_v4_mapped(const u8 *a)
 
 /* Fill key for a connection (local port lport; remote rport at raddr4/raddr6).
  * Server side wins when both ends are ports of interest. Returns 1 on a match. */
+static __always_inline int is_own(u16 local, u16 remote)
+{
+    u32 pair = ((u32)local << 16) | remote;
+    return own_conns.lookup(&pair) != 0;
+}
+
 static __always_inline int classify(struct endpoint_key *key, u16 family, u16 lport, u16 rport,
                                     const u8 raddr4[4], const u8 raddr6[16])
 {
     __builtin_memset(key, 0, sizeof(*key));
+    /* llmdiag's own scrape, seen from its end (client) or from the engine's end on this host. */
+    if (lport && rport && (is_own(lport, rport) || is_own(rport, lport)))
+        return 0;
     if (lport && (port_role(lport) & ROLE_SERVER)) {
         key->side = SIDE_SERVER;
         key->family = family == FAMILY_INET6 ? FAMILY_INET6 : FAMILY_INET;

@@ -33,7 +33,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--rate", type=positive_seconds, required=True, metavar="RPS", help="mean requests per second")
     parser.add_argument("--duration", type=positive_seconds, required=True, metavar="S", help="seconds of arrivals")
     parser.add_argument("--timeout", type=positive_seconds, default=60.0, metavar="S",
-                        help="a client gives up (and hangs up) after this long (default 60)")
+                        help="a client hangs up after this long without a token, the first included (default 60)")
     parser.add_argument("--no-pool", action="store_true", help="a new connection per request (no keep-alive)")
     parser.add_argument("--slo-ttft", type=positive_seconds, default=2.0, metavar="S",
                         help="TTFT SLO for goodput (default 2 s)")

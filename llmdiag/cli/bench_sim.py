@@ -107,7 +107,7 @@ def _run(args: argparse.Namespace, config: Config) -> int:
     if args.plot:
         problem = _unwritable_dir(Path(args.plot))
         if problem:  # found now, not after the whole simulation has run
-            err.print(f"llmdiag bench sim: --plot {args.plot}: {problem}")
+            err.print(f"llmdiag bench sim: --plot {args.plot}: {problem}", markup=False, highlight=False)
             return EX_USAGE
     try:
         sim_config = SimConfig(

@@ -23,8 +23,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from llmdiag.agent import wiring
+from llmdiag.agent.wiring import BuildProgress
 from llmdiag.agent.ticker import snapshot_ticks
 from llmdiag.cli.main import EX_USAGE, name_list, positive_seconds
+from llmdiag.cli.progress import CollectorProgress
 from llmdiag.cli.snapshot_view import print_snapshot
 from llmdiag.config import Config
 from llmdiag.model import Snapshot, write_snapshots
@@ -38,10 +40,24 @@ def snapshot_stream(
     once: bool,
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
+    progress: BuildProgress | None = None,
 ) -> Iterator[Snapshot]:
     """Yield snapshots at ``[agent] interval_seconds`` for ``duration`` seconds (or forever)."""
     backends = wiring.resolve_backends(config)
-    return snapshot_ticks(config, backends, names, duration=1 if once else duration, prime=once, clock=clock, sleep=sleep)
+    return snapshot_ticks(config, backends, names, duration=1 if once else duration, prime=once, clock=clock, sleep=sleep,
+                          progress=progress)
+
+
+def _started(stream: Iterator[Snapshot]) -> Iterator[Snapshot]:
+    """Pull the first snapshot now (the collectors start then), and give the stream back whole."""
+    first = next(stream, None)
+
+    def whole() -> Iterator[Snapshot]:
+        if first is not None:
+            yield first
+            yield from stream  # and closing this closes the ticker (collectors detached)
+
+    return whole()
 
 
 def handle(args: argparse.Namespace, config: Config) -> int:
@@ -51,7 +67,9 @@ def handle(args: argparse.Namespace, config: Config) -> int:
         config = dataclasses.replace(config, gpu=dataclasses.replace(config.gpu, replay_file=args.nvml_replay))
     names = args.collectors  # None = all; never empty (name_list)
     try:
-        stream = snapshot_stream(config, names, duration=args.duration, once=args.once)
+        # A spinner per collector on a terminal while they start (BPF compiles take seconds).
+        with CollectorProgress() as progress:
+            stream = _started(snapshot_stream(config, names, duration=args.duration, once=args.once, progress=progress))
         if args.record:
             count = write_snapshots(args.record, _echo(stream, args.json))
             print(f"recorded {count} snapshot(s) to {args.record}", file=sys.stderr)

@@ -30,7 +30,8 @@ async def _serve(options: FakeEngineOptions) -> int:
     """Serve until SIGINT or SIGTERM; returns the signal that stopped it."""
     engine = FakeEngine(options)
     await engine.start()
-    print(f"fake engine {options.model} ({options.profile}) serving on {engine.url}; Ctrl-C to stop", file=sys.stderr, flush=True)
+    grpc = f" and gRPC on grpc://{options.host}:{engine.grpc_port}" if engine.grpc_port else ""
+    print(f"fake engine {options.model} ({options.profile}) serving on {engine.url}{grpc}; Ctrl-C to stop", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     received: list[int] = []
     loop = asyncio.get_running_loop()
@@ -54,6 +55,7 @@ def handle(args: argparse.Namespace, config: Config) -> int:
             host=args.host, port=args.port, model=args.model, profile=args.profile,
             kv_capacity_tokens=args.kv_capacity, queue_limit=args.queue_limit,
             faults=parse_faults(args.faults or ""), engine_label=args.engine_label, seed=args.seed,
+            grpc_port=args.grpc_port,
         )
         FakeEngine(options)  # checks the model options before anything listens
     except ValueError as exc:
@@ -92,6 +94,8 @@ def register(sub: Any) -> None:
     parser.add_argument("--kv-capacity", type=_positive_int, metavar="TOKENS", help="KV cache capacity in tokens (default: the preset's)")
     parser.add_argument("--queue-limit", type=_positive_int, metavar="N", help="answer 429 (saturation body) when N requests wait")
     parser.add_argument("--faults", metavar="SPEC", help='fault schedule, e.g. "slowdown:start=30,speed=0.4;crash:start=90,down=15"')
+    parser.add_argument("--grpc-port", type=_port, default=None, metavar="N",
+                        help="also serve an h2c gRPC streaming Generate method on port N (0 picks one)")
     parser.add_argument("--engine-label", default="0", help="value of the engine label on /metrics")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(handler=handle)

@@ -41,6 +41,7 @@ COMMAND_MODULES = (
     "llmdiag.cli.picker",
     "llmdiag.cli.agent",
     "llmdiag.cli.config_cmd",
+    "llmdiag.cli.top",
 )
 
 

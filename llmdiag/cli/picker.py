@@ -6,7 +6,8 @@ Envoy (or a Kubernetes inference gateway) asks it, per request, which engine
 gets the request; it answers with the x-gateway-destination-endpoint header and
 envoy.lb dynamic metadata, and learns each response's status and time to first
 token. Backends come from --backend or [[backends]] (models = the pool each
-serves); --agent URL adds the node agents' penalties (pulled from /v1/penalties,
+serves) and --discover HOST:PORT (the DNS addresses of a headless Service,
+re-resolved); --agent URL adds the node agents' penalties (pulled from /v1/penalties,
 ttl-bound, failing open). See docs/integrations/envoy.md for the Envoy bootstrap.
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 from llmdiag.cli.main import EX_USAGE
 from llmdiag.config import Config, ConfigError
 from llmdiag.config.picker import PickerConfig
+from llmdiag.picker.discovery import DnsBackends
 from llmdiag.picker.server import PickerServer
 from llmdiag.picker.service import EndpointPickerService
 from llmdiag.router_feedback.agent_penalties import AgentPenalties
@@ -36,12 +38,15 @@ def _picker_config(args: argparse.Namespace, config: Config) -> PickerConfig:
         changes["metrics_listen"] = args.metrics_listen
     if args.agent:
         changes["agents"] = tuple(args.agent)
+    if args.discover is not None:
+        changes["discover"] = args.discover
     try:
         return dataclasses.replace(config.picker, **changes)
     except ValueError as exc:
         message = str(exc)
         for key, flag in (("picker.metrics_listen", "--metrics-listen"), ("picker.listen", "--listen"),
-                          ("picker.agents", "--agent")):
+                          ("picker.agents", "--agent"),
+                          ("picker.discover", "--discover")):
             message = message.replace(key, flag)
         raise ConfigError(message) from None
 
@@ -50,7 +55,9 @@ async def _serve(server: PickerServer) -> None:
     await server.start()
     where = f"; metrics on http://{server.service.config.metrics_listen.rsplit(':', 1)[0]}:{server.metrics_port}/metrics" \
         if server.metrics_port else ""
-    names = ", ".join(f"{b.name} ({b.address})" for b in server.service.balancer.backends)
+    names = ", ".join(b.name for b in server.service.balancer.backends) or "no backends yet"
+    if server.discovery is not None:
+        names += f" (+ DNS {server.discovery.host}:{server.discovery.port})"
     agents = f"; penalties from {len(server.agents.agents)} agent(s)" if server.agents else ""
     print(f"llmdiag picker: ext_proc on port {server.port} for {names}{where}{agents}; Ctrl-C to stop",
           file=sys.stderr, flush=True)
@@ -71,9 +78,9 @@ def handle(args: argparse.Namespace, config: Config) -> int:
         print(f"llmdiag picker: {exc}", file=sys.stderr)
         return EX_USAGE
     backends = config.backend_list()
-    if not backends:
-        print("llmdiag picker: no backends: give --backend URL (repeatable) or [[backends]] in the config",
-              file=sys.stderr)
+    if not backends and not picker_config.discover:
+        print("llmdiag picker: no backends: give --backend URL (repeatable), [[backends]] in the config, "
+              "or --discover HOST:PORT", file=sys.stderr)
         return EX_USAGE
     agents = None
     if picker_config.agents:
@@ -85,10 +92,12 @@ def handle(args: argparse.Namespace, config: Config) -> int:
             print(f"llmdiag picker: --agent: {exc}", file=sys.stderr)
             return EX_USAGE
     service = EndpointPickerService(Balancer(backends, config.balancer), picker_config)
-    server = PickerServer(service, picker_config.listen, picker_config.metrics_listen, agents)
+    discovery = (DnsBackends(picker_config.discover, picker_config.discover_models,
+                             picker_config.discover_interval_seconds) if picker_config.discover else None)
+    server = PickerServer(service, picker_config.listen, picker_config.metrics_listen, agents, discovery)
     try:
         asyncio.run(_serve(server))
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # grpc raises RuntimeError for a bad certificate or key
         print(f"llmdiag picker: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -101,6 +110,9 @@ def register(sub: Any) -> None:
                         help=f"ext_proc gRPC address HOST:PORT (default [picker] listen, {PickerConfig.listen})")
     parser.add_argument("--metrics-listen", metavar="ADDR",
                         help=f"address of /metrics and /healthz, '' for none (default {PickerConfig.metrics_listen})")
+    parser.add_argument("--discover", metavar="HOST:PORT",
+                        help="backends from the DNS addresses of HOST (a headless Service), re-resolved "
+                             "(replaces [picker] discover)")
     parser.add_argument("--agent", metavar="URL", action="append", default=[],
                         help="node agent whose /v1/penalties to apply (repeatable; replaces [picker] agents)")
     parser.set_defaults(handler=handle)

@@ -1,4 +1,8 @@
-"""The rich report of ``llmdiag diagnose``: diagnoses grouped by backend, with evidence tables."""
+"""The rich report of ``llmdiag diagnose``: diagnoses grouped by backend, with evidence tables.
+
+:func:`diagnosis_renderable` draws one diagnosis (headline, summary, evidence
+table, remediation); the report and the TUI's backend view both use it, so a
+diagnosis reads the same in both."""
 
 from __future__ import annotations
 
@@ -11,12 +15,12 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from llmdiag.model import HOST, CollectorState, Severity
+from llmdiag.model import HOST, CollectorState, Diagnosis, Severity
 
 if TYPE_CHECKING:
     from llmdiag.agent.loop import DiagnoseReport, Episode
 
-__all__ = ["print_report", "render_report"]
+__all__ = ["diagnosis_renderable", "print_report", "render_report", "report_json", "verdict"]
 
 _SEVERITY_STYLE = {Severity.CRITICAL: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 _STATUS_STYLE = {CollectorState.OK: "green", CollectorState.DEGRADED: "yellow", CollectorState.UNAVAILABLE: "red"}
@@ -37,13 +41,17 @@ def _fmt(value: object) -> str:
 
 
 def _episode(e: Episode) -> Group:
-    d = e.diagnosis
+    return diagnosis_renderable(e.diagnosis, closed_at=e.closed_at, enforced=e.enforced)
+
+
+def diagnosis_renderable(d: Diagnosis, *, closed_at: float | None = None, enforced: bool = True) -> Group:
+    """One diagnosis: severity and kind, since/state/confidence/penalty, summary, evidence, remediation."""
     head = Text()
     head.append(f"{d.severity.value.upper():8} ", style=_SEVERITY_STYLE[d.severity])
     head.append(d.kind, style="bold")
-    state = "open" if e.closed_at is None else f"closed {_utc(e.closed_at)}"
+    state = "open" if closed_at is None else f"closed {_utc(closed_at)}"
     head.append(f"  since {_utc(d.since)} ({state})  confidence {d.confidence:.2f}  penalty {d.penalty:.2f}")
-    if not e.enforced:
+    if not enforced:
         head.append("  (not enforced)", style="dim")
     evidence = Table(box=box.SIMPLE, show_edge=False, pad_edge=False)
     evidence.add_column("signal")
@@ -53,6 +61,27 @@ def _episode(e: Episode) -> Group:
     for item in d.evidence:
         evidence.add_row(Text(item.signal), _fmt(item.value), _fmt(item.threshold), item.window_text)
     return Group(head, Padding(Text(d.summary), (0, 0, 0, 2)), Padding(evidence, (0, 0, 0, 2)), Padding(Text(f"-> {d.remediation}", style="italic"), (0, 0, 1, 2)))
+
+
+def verdict(report: DiagnoseReport) -> str:
+    """``healthy`` (nothing above info), ``warning`` or ``critical``."""
+    worst = report.worst
+    return "healthy" if worst in (None, Severity.INFO) else worst.value  # type: ignore[union-attr]
+
+
+def report_json(report: DiagnoseReport, interrupted: bool = False) -> dict[str, object]:
+    """``diagnose --json``: the report's diagnoses and backends, plus what a reader needs to trust
+    them: the verdict, the collectors' last statuses, the time range and the snapshot count."""
+    return {
+        "verdict": verdict(report),
+        **report.to_json(),
+        "collectors": {name: st.to_json() for name, st in sorted(report.collectors.items())},
+        "first_ts": report.first_ts,
+        "last_ts": report.last_ts,
+        "snapshots": report.snapshots,
+        "source": report.source,
+        "interrupted": interrupted,
+    }
 
 
 def render_report(report: DiagnoseReport, console: Console) -> None:
@@ -90,10 +119,10 @@ def render_report(report: DiagnoseReport, console: Console) -> None:
         for e in episodes:
             console.print(Padding(_episode(e), (0, 0, 0, 2)))
     worst = report.worst
-    verdict = "healthy" if worst in (None, Severity.INFO) else worst.value
-    style = "green" if verdict == "healthy" else _SEVERITY_STYLE[worst]  # type: ignore[index]
+    said = verdict(report)
+    style = "green" if said == "healthy" else _SEVERITY_STYLE[worst]  # type: ignore[index]
     n = len(report.episodes)
-    console.print(Text(f"verdict: {verdict} ({n} {'diagnosis' if n == 1 else 'diagnoses'})", style=style))
+    console.print(Text(f"verdict: {said} ({n} {'diagnosis' if n == 1 else 'diagnoses'})", style=style))
 
 
 def print_report(report: DiagnoseReport, width: int | None = None) -> None:

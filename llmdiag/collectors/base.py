@@ -23,13 +23,53 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from llmdiag.bpf import features
 from llmdiag.model import CollectorState, CollectorStatus, Sample, Snapshot
 
-__all__ = ["Collector", "GuardedCollector", "collect_snapshot"]
+__all__ = ["AttachNeed", "Collector", "CollectorUsageError", "GuardedCollector", "collect_snapshot"]
 
 log = logging.getLogger("llmdiag.collectors")
+
+
+@dataclass(frozen=True, slots=True)
+class AttachNeed:
+    """A kernel attach point a collector uses, as the collector itself declares it (what
+    ``llmdiag doctor`` checks). ``kind``: ``tracepoint`` (target ``category:event``),
+    ``raw_tracepoint``, ``kprobe`` (a kernel function) or ``uprobe`` (``library:symbol``).
+    ``required``: the collector cannot run without it; otherwise one signal, or one faster
+    path, is missing (``purpose`` says which)."""
+
+    collector: str
+    kind: str
+    target: str
+    purpose: str
+    required: bool = False
+
+    def describe(self) -> str:
+        return f"{self.kind}:{self.target}"
+
+    def present(self) -> bool | None:
+        """Whether this kernel offers it; ``None`` where that cannot be told here (a raw
+        tracepoint needs bcc to probe; a uprobe's symbol depends on the process's library,
+        so only uprobe support itself is checked)."""
+        if self.kind == "tracepoint":
+            category, _, event = self.target.partition(":")
+            return features.tracepoint_exists(category, event)
+        if self.kind == "kprobe":
+            return bool(features.kprobes_supported())
+        if self.kind == "uprobe":
+            return bool(features.uprobes_supported())
+        return None
+
+
+class CollectorUsageError(ValueError):
+    """The user asked a collector for something that cannot work (a missing or unreadable
+    input file, such as ``--nvml-replay FILE``): a usage mistake, not a host without the
+    feature. Callers that build collectors let it through (the command exits 64 with the
+    message, which names the file) instead of reporting the collector as unavailable."""
 
 
 @runtime_checkable

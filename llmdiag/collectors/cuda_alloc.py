@@ -54,7 +54,8 @@ from pathlib import Path
 from typing import Any
 
 from llmdiag.bpf import features
-from llmdiag.bpf.loader import BPFUnavailable, Program
+from llmdiag.bpf.loader import BPFUnavailable, Program, check_environment
+from llmdiag.collectors.base import AttachNeed
 from llmdiag.collectors.cuda_libs import ElfError, MappedLibrary, descendants, exported_functions, find_library
 from llmdiag.collectors.discovery import local_backend_pids
 from llmdiag.config import Config
@@ -67,6 +68,7 @@ __all__ = [
     "PROBES",
     "REQUIRED_SYMBOLS",
     "CudaAllocCollector",
+    "attach_points",
     "build_cuda_collector",
     "program_defines",
     "size_histogram",
@@ -379,9 +381,20 @@ class CudaAllocCollector:
         self.program.close()
 
 
+def attach_points() -> list[AttachNeed]:
+    """The attach points of the cuda collector (``llmdiag doctor``): a uprobe and a uretprobe
+    per exported allocation API of ``libcuda.so`` in each backend process."""
+    return [
+        AttachNeed("cuda", "uprobe", f"libcuda.so:{symbol}",
+                   "allocations" if "Alloc" in symbol or "Create" in symbol else "frees", symbol in REQUIRED_SYMBOLS)
+        for symbol, _ in PROBES
+    ]
+
+
 def build_cuda_collector(config: Config, backends: Sequence[Backend]) -> CudaAllocCollector:
     """The ``cuda`` collector for the agent; raises :class:`BPFUnavailable` when the kernel
     has no uprobes or the program cannot load (the wiring turns that into ``unavailable``)."""
+    check_environment()  # first: without root or CAP_BPF, say that (with the way out)
     uprobes = features.uprobes_supported()
     if not uprobes:
         raise BPFUnavailable(uprobes.detail, "the CUDA allocation tracer needs CONFIG_UPROBE_EVENTS")

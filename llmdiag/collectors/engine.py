@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from llmdiag.collectors.engine_names import AGGREGATION, Dialect, detect_dialect
 from llmdiag.collectors.engine_parse import EngineReading, ParsedScrape, parse_exposition, read_engines
 from llmdiag.collectors.histogram import CumulativeHistogram, HistogramDelta, counter_delta
-from llmdiag.collectors.http_fetch import PROMETHEUS_ACCEPT, FetchFunction, FetchResult, http_get
+from llmdiag.collectors.http_fetch import PROMETHEUS_ACCEPT, FetchFunction, FetchResult, KeepAlivePool
 from llmdiag.config.engine import EngineConfig
 from llmdiag.model import (
     Backend,
@@ -295,8 +295,9 @@ class EngineCollector:
     """Scrapes every backend's engine metrics once per :meth:`collect`.
 
     ``fetch(url, timeout, max_bytes, accept) -> FetchResult`` and ``clock``
-    (monotonic seconds) are injectable; the defaults are
-    :func:`~llmdiag.collectors.http_fetch.http_get` and ``time.monotonic``.
+    (monotonic seconds) are injectable; the defaults are a
+    :class:`~llmdiag.collectors.http_fetch.KeepAlivePool` (one kept-alive
+    connection per backend, closed with the collector) and ``time.monotonic``.
     """
 
     name = "engine"
@@ -318,7 +319,8 @@ class EngineCollector:
                 "engine metrics: not scraping gRPC backend(s) %s (no HTTP /metrics; the http2 collector watches them)",
                 ", ".join(b.name for b in self.skipped),
             )
-        self._fetch = fetch or http_get
+        self._connections = KeepAlivePool() if fetch is None else None
+        self._fetch: FetchFunction = fetch or self._connections  # type: ignore[assignment]
         self._clock = clock
         self._trackers = {b.name: _BackendTracker(b) for b in self.backends}
         self._pool: ThreadPoolExecutor | None = None
@@ -359,6 +361,8 @@ class EngineCollector:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        if self._connections is not None:
+            self._connections.close()
 
     # -- work ------------------------------------------------------------
     def _scrape_all(self) -> list[BackendScrape]:

@@ -10,7 +10,9 @@ Per backend (a host whose ``ip:port`` is a configured backend's address;
 other hosts, e.g. those an ``ORIGINAL_DST`` cluster learned, are reported per
 destination ``ip:port``), summed over the clusters that hold it:
 
-- ``responses_total{class}``, SPEC 3.2 classes as the proxy saw them:
+- ``gateway_responses_total{class}``, the SPEC 3.2 ``responses_total`` classes as the proxy saw them
+  (a separate name: the engine collector's ``responses_total`` is the engine's own count, and a
+  refused connection or a hung engine shows only here):
   ``ok`` = ``rq_success``; ``timeout`` = ``rq_timeout``; ``connect_error`` =
   ``cx_connect_fail``; ``server_5xx`` = ``rq_error - rq_timeout -
   cx_connect_fail`` (Envoy's ``rq_error`` counts 5xx answers, timeouts and
@@ -194,7 +196,7 @@ class EnvoyAdminCollector:
             responses.add(s["rq_timeout"], **{"class": "timeout"})
             responses.add(s["cx_connect_fail"], **{"class": "connect_error"})
             samples += [
-                Sample(scope, subject, "responses_total", responses),
+                Sample(scope, subject, "gateway_responses_total", responses),
                 Sample(scope, subject, "gateway_connections_active", s["cx_active"]),
                 Sample(scope, subject, "gateway_requests_active", s["rq_active"]),
                 Sample(scope, subject, "gateway_connections_total", s["cx_total"]),

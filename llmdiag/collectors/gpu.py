@@ -59,6 +59,22 @@ __all__ = ["DEVICE_SIGNALS", "GpuCollector", "build_gpu_collector"]
 
 log = logging.getLogger(__name__)
 
+#: NVML failures already logged by this process: one warning per cause, however many gpu
+#: collectors (diagnose, demo, the agent's rebuilds) try.
+_LOGGED_UNAVAILABLE: set[str] = set()
+
+
+def _log_unavailable(exc: NvmlUnavailable) -> None:
+    """No NVIDIA software at all is the normal state of a host without GPUs: the collector's
+    status says so (with the hint) and the log only at info. A driver that is there but fails
+    is a warning, once per process and cause."""
+    if exc.absent:
+        log.info("gpu collector unavailable: %s", exc)
+        return
+    if str(exc) not in _LOGGED_UNAVAILABLE:
+        _LOGGED_UNAVAILABLE.add(str(exc))
+        log.warning("gpu collector unavailable: %s", exc)
+
 #: Every per-device signal name; a lost GPU reports each of them as NA.
 DEVICE_SIGNALS = (
     "gpu_utilization",
@@ -168,7 +184,7 @@ class GpuCollector:
             self.nvml.init()
         except NvmlUnavailable as exc:
             if self._unavailable is None or str(self._unavailable) != str(exc):
-                log.warning("gpu collector unavailable: %s", exc)
+                _log_unavailable(exc)
             self._unavailable = exc
             self._next_init = now + self.init_retry_seconds
             return False

@@ -70,10 +70,6 @@ class CumulativeHistogram:
             count = merged.get(math.inf, 0.0)
         return cls(buckets, float(count), float(total if total is not None else math.nan))
 
-    def merged_with(self, other: CumulativeHistogram) -> CumulativeHistogram:
-        """Sum of two histograms (series of one engine, or engines of one backend)."""
-        return CumulativeHistogram.build(self.buckets + other.buckets, self.count + other.count, _nan_sum(self.sum, other.sum))
-
     def delta_since(self, previous: CumulativeHistogram) -> tuple[HistogramDelta, bool]:
         """Observations since ``previous``, and whether a counter reset was seen.
 
@@ -91,14 +87,6 @@ class CumulativeHistogram:
             return HistogramDelta(self.buckets, self.count, self.sum), True
         buckets = tuple((le, value - prev[le]) for le, value in self.buckets)
         return HistogramDelta(buckets, self.count - previous.count, self.sum - previous.sum), False
-
-
-def _nan_sum(a: float, b: float) -> float:
-    if math.isnan(a):
-        return b
-    if math.isnan(b):
-        return a
-    return a + b
 
 
 def histogram_quantile(q: float, buckets: tuple[tuple[float, float], ...] | list[tuple[float, float]]) -> float | None:

@@ -45,7 +45,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from llmdiag.bpf.loader import BPFUnavailable
+from llmdiag.bpf.loader import BPFUnavailable, program_tracepoints
+from llmdiag.collectors.base import AttachNeed
 from llmdiag.collectors.h2_kernel import ConnectionCounters, H2Kernel, RawEvent, code_counts, code_name
 from llmdiag.collectors.h2_procnet import backend_sockets
 from llmdiag.config import Config
@@ -278,6 +279,17 @@ def _event(raw: RawEvent, backends_by_port: dict[int, list[str]], wall_ts: float
         stream_id=raw.stream_id, last_stream_id=raw.last_stream_id, connection_stalls=raw.conn_stalls,
         stream_stalled_seconds=raw.stream_stalled_ns / 1e9,
     )
+
+
+def attach_points() -> list[AttachNeed]:
+    """The attach points of the http2 collector, read from its BPF program (``llmdiag doctor``):
+    syscall tracepoints, all needed (frames are walked at the syscalls that move them)."""
+    return [
+        AttachNeed("http2", "tracepoint", f"{category}:{event}",
+                   "HTTP/2 frames sent" if "write" in event or "send" in event
+                   else "connection closes" if event.endswith("close") else "HTTP/2 frames received", True)
+        for category, event in program_tracepoints("http2_frames")
+    ]
 
 
 def build_http2_collector(config: Config, backends: list[Backend]) -> Http2Collector:

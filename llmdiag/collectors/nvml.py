@@ -37,10 +37,12 @@ __all__ = [
     "QUERIES",
     "GpuLost",
     "Nvml",
+    "NvmlProbe",
     "NvmlQuery",
     "NvmlUnavailable",
     "decode_clock_event_reasons",
     "error_name",
+    "probe_nvml",
     "load_pynvml",
 ]
 
@@ -150,12 +152,15 @@ def decode_clock_event_reasons(mask: int) -> list[str]:
 
 
 class NvmlUnavailable(RuntimeError):
-    """NVML cannot be used on this host; ``hint`` says what to do about it."""
+    """NVML cannot be used on this host; ``hint`` says what to do about it. ``absent`` is True
+    when there is no NVIDIA software here at all (no libnvidia-ml, no pynvml): the normal
+    state of a host without GPUs, not a fault."""
 
-    def __init__(self, reason: str, hint: str) -> None:
+    def __init__(self, reason: str, hint: str, absent: bool = False) -> None:
         super().__init__(f"{reason} ({hint})")
         self.reason = reason
         self.hint = hint
+        self.absent = absent
 
 
 class GpuLost(RuntimeError):
@@ -172,7 +177,7 @@ def load_pynvml() -> Any:
     try:
         import pynvml  # noqa: PLC0415 - lazily, so that hosts without it still import llmdiag
     except ImportError as exc:
-        raise NvmlUnavailable(f"pynvml is not importable: {exc}", "pip install nvidia-ml-py") from None
+        raise NvmlUnavailable(f"pynvml is not importable: {exc}", "pip install nvidia-ml-py", absent=True) from None
     return pynvml
 
 
@@ -255,7 +260,8 @@ class Nvml:
             except Exception as exc:  # noqa: BLE001 - NVMLError, or OSError from a broken library
                 code = getattr(exc, "value", None)
                 hint = _INIT_HINTS.get(code, "check `nvidia-smi`; NVML must work for the user running llmdiag")
-                raise NvmlUnavailable(f"nvmlInit failed: {error_name(exc)}", hint) from None
+                absent = code == NVML_ERROR_LIBRARY_NOT_FOUND
+                raise NvmlUnavailable(f"nvmlInit failed: {error_name(exc)}", hint, absent=absent) from None
             try:
                 self.device_count = int(lib.nvmlDeviceGetCount())
                 self.driver_version = _text(self._guard(lib.nvmlSystemGetDriverVersion))
@@ -349,3 +355,34 @@ def _quiet(fn: Callable[[], Any]) -> None:
         fn()
     except Exception:  # noqa: BLE001 - best effort on the way out
         pass
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlProbe:
+    """What ``llmdiag doctor`` says about NVML: whether it starts, the driver, the GPUs, and
+    otherwise why not with a hint (``absent``: no NVIDIA software here at all)."""
+
+    ok: bool
+    driver_version: str | None = None
+    device_count: int = 0
+    reason: str | None = None
+    hint: str | None = None
+    absent: bool = False
+
+
+def probe_nvml(library: Any = None) -> NvmlProbe:
+    """Start NVML once, read the driver version and GPU count, shut it down. Never raises.
+
+    The one way the rest of llmdiag (``doctor``) asks about NVML: this module owns pynvml.
+    ``library`` is a pynvml-like object (a replay in tests); ``None`` is the real one."""
+    nvml = Nvml(library)
+    try:
+        nvml.init()
+    except NvmlUnavailable as exc:
+        return NvmlProbe(False, reason=exc.reason, hint=exc.hint, absent=exc.absent)
+    except Exception as exc:  # noqa: BLE001 - a broken library must not crash doctor
+        return NvmlProbe(False, reason=f"NVML failed: {type(exc).__name__}: {exc}", hint="check `nvidia-smi`")
+    try:
+        return NvmlProbe(True, driver_version=nvml.driver_version, device_count=nvml.device_count)
+    finally:
+        nvml.shutdown()

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmdiag.collectors.base import CollectorUsageError
 from llmdiag.collectors.nvml import (
     ERROR_CODES,
     NVML_ERROR_GPU_IS_LOST,
@@ -59,7 +60,7 @@ from llmdiag.collectors.nvml import (
     load_pynvml,
 )
 
-__all__ = ["REPLAY_FORMAT", "ReplayError", "ReplayHandle", "ReplayNvml", "encode_answer", "record"]
+__all__ = ["REPLAY_FORMAT", "ReplayError", "ReplayFileError", "ReplayHandle", "ReplayNvml", "encode_answer", "record"]
 
 REPLAY_FORMAT = "llmdiag.nvml-replay/v1"
 EVENT_TYPES = {"xid": NVML_EVENT_TYPE_XID_CRITICAL_ERROR}
@@ -67,6 +68,12 @@ EVENT_TYPES = {"xid": NVML_EVENT_TYPE_XID_CRITICAL_ERROR}
 
 class ReplayError(ValueError):
     """A replay file that does not follow ``llmdiag.nvml-replay/v1``."""
+
+
+class ReplayFileError(ReplayError, CollectorUsageError):
+    """The replay file given cannot be used at all: missing, unreadable, not UTF-8 text
+    (a binary file), not JSON, or not ``llmdiag.nvml-replay/v1``. The message names the file.
+    A :class:`~llmdiag.collectors.base.CollectorUsageError`: ``--nvml-replay FILE`` exits 64."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,10 +132,17 @@ class ReplayNvml:
         try:
             document = json.loads(p.read_text(encoding="utf-8"))
         except OSError as exc:
-            raise ReplayError(f"cannot read NVML replay {p}: {exc.strerror}") from None
+            raise ReplayFileError(f"cannot read NVML replay {p}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ReplayFileError(f"NVML replay {p} is not text (binary at byte {exc.start}): want {REPLAY_FORMAT} JSON") from None
         except json.JSONDecodeError as exc:
-            raise ReplayError(f"NVML replay {p} is not JSON: {exc}") from None
-        return cls(document, source=str(p))
+            raise ReplayFileError(f"NVML replay {p} is not JSON: {exc}") from None
+        try:
+            return cls(document, source=str(p))
+        except ReplayFileError:
+            raise
+        except ReplayError as exc:
+            raise ReplayFileError(str(exc)) from None
 
     def _check(self, doc: Any) -> None:
         where = f"NVML replay {self.source}"

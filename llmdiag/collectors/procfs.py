@@ -24,7 +24,10 @@ Every path is under ``proc_root``. A file that is missing or unreadable
 (permissions, PSI disabled) means the signal is absent. A process that
 vanishes mid-read is *gone*: its signals are absent this tick and it is not an
 error. Malformed content is logged once per file and makes the collector
-``degraded`` naming the file.
+``degraded`` naming the file. So does finding nothing: a backend without a
+local process (no pid), a process whose files this user may not read (another
+user's engine without root or ``CAP_SYS_PTRACE``), or no host signal at all:
+the status says which, never ``ok`` over an empty result.
 """
 
 from __future__ import annotations
@@ -165,6 +168,7 @@ class ProcCollector:
         self.clock_ticks = clock_ticks or os.sysconf("SC_CLK_TCK")
         self.gone: dict[str, int] = {}  # backend name -> pid that vanished in the last tick
         self._malformed: dict[str, str] = {}  # path -> why, for this tick
+        self._nothing: list[str] = []  # what this tick could not find, for the status
         self._warned: set[str] = set()
         self._last_ok_ts: float | None = None
 
@@ -178,7 +182,16 @@ class ProcCollector:
     def collect(self, now: float) -> list[Sample]:
         self._malformed = {}
         self.gone = {}
-        samples = [Sample(Scope.HOST, "", name, value) for name, value in self.host_signals().items()]
+        nothing: list[str] = []
+        host = self.host_signals()
+        if not host:
+            nothing.append(f"no host signal under {self.proc_root} (pressure/, net/sockstat, conntrack)")
+        samples = [Sample(Scope.HOST, "", name, value) for name, value in host.items()]
+        no_pid = [b.name for b in self.backends if b.pid is None]
+        if no_pid:
+            nothing.append(f"no local process found for {', '.join(no_pid)}: process signals absent "
+                           "(engine on another host, or its listening socket not visible: run as root)")
+        unreadable = []
         for backend in self.backends:
             if backend.pid is None:
                 continue
@@ -187,9 +200,20 @@ class ProcCollector:
             except ProcessGone:
                 self.gone[backend.name] = backend.pid
                 continue
+            if "io_read_bytes_total" not in signals and not self._malformed_in(backend.pid):
+                unreadable.append(f"{backend.name} (pid {backend.pid})")
             samples.extend(Sample(Scope.BACKEND, backend.name, name, value) for name, value in signals.items())
+        if unreadable:
+            nothing.append(f"cannot read /proc/PID/io of {', '.join(unreadable)}: IO signals absent "
+                           "(another user's process needs root or CAP_SYS_PTRACE)")
+        self._nothing = nothing
         self._last_ok_ts = now
         return samples
+
+    def _malformed_in(self, pid: int) -> bool:
+        """Whether this tick already reported a malformed file of ``pid`` (then that is the reason)."""
+        base = os.path.join(self.proc_root, str(pid)) + os.sep
+        return any(path.startswith(base) for path in self._malformed)
 
     def host_signals(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -348,9 +372,9 @@ class ProcCollector:
             log.warning("malformed %s: %s", path, why)
 
     def status(self) -> CollectorStatus:
-        if self._malformed:
-            why = "; ".join(f"malformed {p}: {w}" for p, w in sorted(self._malformed.items()))
-            return CollectorStatus(CollectorState.DEGRADED, why, self._last_ok_ts)
+        problems = [f"malformed {p}: {w}" for p, w in sorted(self._malformed.items())] + self._nothing
+        if problems:
+            return CollectorStatus(CollectorState.DEGRADED, "; ".join(problems), self._last_ok_ts)
         return CollectorStatus(CollectorState.OK, None, self._last_ok_ts)
 
 

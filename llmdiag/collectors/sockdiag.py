@@ -75,8 +75,8 @@ def _request(family: int, states: int, seq: int) -> bytes:
     return _NLMSGHDR.pack(_NLMSGHDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
 
 
-def _dump(family: int, states: int) -> Iterator[tuple[int, bytes, int, int, bytes, int]]:
-    """Yield ``(state, dst_addr, dport, sport, ..., expires_ms)`` per socket of one family."""
+def _dump(family: int, states: int) -> Iterator[tuple[int, bytes, int, int, int, int, bytes]]:
+    """Yield ``(state, dst_addr, dport, sport, family, expires_ms, src_addr)`` per socket of one family."""
     try:
         sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
     except OSError as exc:
@@ -106,10 +106,11 @@ def _dump(family: int, states: int) -> Iterator[tuple[int, bytes, int, int, byte
                             raise SockDiagError(errno, f"sock_diag: {os.strerror(errno)}")
                         return
                     if kind == SOCK_DIAG_BY_FAMILY and length >= _MSG_LEN:
-                        (fam, state, _t, _r, sport, dport, _src, dst, _if, _cookie,
+                        (fam, state, _t, _r, sport, dport, src, dst, _if, _cookie,
                          expires, _rq, _wq, _uid, _ino) = unpack_msg(buf, offset + _NLMSGHDR.size)
-                        yield (state, bytes(dst) if fam == socket.AF_INET6 else dst[:4],
-                               int.from_bytes(dport, "big"), int.from_bytes(sport, "big"), fam, expires)
+                        width = 16 if fam == socket.AF_INET6 else 4
+                        yield (state, bytes(dst[:width]), int.from_bytes(dport, "big"), int.from_bytes(sport, "big"),
+                               fam, expires, bytes(src[:width]))
                 offset += (length + 3) & ~3
 
 
@@ -121,7 +122,7 @@ def iter_tcp(
     for name in states:
         mask |= 1 << TCP_STATES[name]
     for family in families:
-        for state, dst, dport, sport, fam, _expires in _dump(family, mask):
+        for state, dst, dport, sport, fam, _expires, _src in _dump(family, mask):
             yield state, sport, format_endpoint(fam, dst, dport)
 
 
@@ -130,20 +131,27 @@ def dump_tcp(
     families: Iterable[int] = (socket.AF_INET, socket.AF_INET6),
     ephemeral: range | None = None,
     recent_ms: int = 10_000,
+    exclude: frozenset[tuple[int, int]] = frozenset(),
 ) -> dict[str, DestinationSockets]:
     """TCP sockets in ``states`` grouped by remote ``ip:port``.
 
     ``ephemeral`` (local ports that count as client ports) enables
     ``other_ephemeral``; ``recent_ms`` is the age below which a TIME_WAIT
     socket counts in ``timewait_recent`` (its remaining timer is above
-    ``60 s - recent_ms``)."""
+    ``60 s - recent_ms``). ``exclude`` holds llmdiag's own connections as
+    ``(local port, remote port)`` (:mod:`llmdiag.collectors.own_sockets`): their
+    sockets are left out, and so is the other end of such a connection when it is
+    on this host too (same source and destination address: the engine's side of
+    a scrape over loopback or the host's own address)."""
     mask = 0
     for name in states:
         mask |= 1 << TCP_STATES[name]
     young = TIMEWAIT_LEN_MS - recent_ms
     raw: dict[tuple[int, bytes, int], DestinationSockets] = {}
     for family in families:
-        for state, dst, dport, sport, fam, expires in _dump(family, mask):
+        for state, dst, dport, sport, fam, expires, src in _dump(family, mask):
+            if exclude and ((sport, dport) in exclude or (src == dst and (dport, sport) in exclude)):
+                continue
             key = (fam, dst, dport)
             entry = raw.get(key)
             if entry is None:

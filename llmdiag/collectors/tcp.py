@@ -23,6 +23,11 @@ last tick, else the last sample). Extra: ``tcp_send_blocked_seconds_total``
 health counters ``bpf_map_full_total{program=tcp_health}``,
 ``tcp_sock_common_mismatch_total``.
 
+llmdiag's own connections (the engine collector's scrapes; see
+:mod:`llmdiag.collectors.own_sockets`) are never counted: their ``(local port,
+remote port)`` pairs go into the BPF ``own_conns`` map before they connect, and
+the program leaves them out from either end.
+
 Counters are ``_total`` since the program was loaded (cumulative map reads).
 ``tcp_connections_active`` is the count from a sock_diag dump at start plus
 the BPF delta since: connections opened before the agent are counted.
@@ -48,13 +53,15 @@ from pathlib import Path
 from typing import Any
 
 from llmdiag.bpf import features
-from llmdiag.bpf.loader import BPFUnavailable, Program
+from llmdiag.bpf.loader import BPFUnavailable, Program, check_environment, program_tracepoints
+from llmdiag.collectors.base import AttachNeed
 from llmdiag.collectors.histogram import histogram_quantile
+from llmdiag.collectors.own_sockets import OWN_PORTS, OwnPorts, Pair
 from llmdiag.collectors.sockdiag import SockDiagError, format_endpoint, iter_tcp
 from llmdiag.config.tcp import TcpConfig
 from llmdiag.model import Backend, CollectorState, CollectorStatus, Distribution, Labelled, Sample, Scope
 
-__all__ = ["TcpCollector", "build_tcp_collector", "send_path_defines", "slot_bounds_us"]
+__all__ = ["TcpCollector", "attach_points", "build_tcp_collector", "send_path_defines", "slot_bounds_us"]
 
 log = logging.getLogger("llmdiag.collectors.tcp")
 
@@ -172,8 +179,11 @@ class TcpCollector:
         program_factory: ProgramFactory | None = None,
         clock: Callable[[], float] = time.monotonic,
         pid_finder: Callable[[set[int]], set[int]] = _find_listener_pids,
+        own_connections: OwnPorts = OWN_PORTS,
     ) -> None:
         self.config = config or TcpConfig()
+        self.own_connections = own_connections
+        self._unsubscribe_own: Callable[[], None] | None = None
         self.backends = list(backends)
         self.clock = clock
         self.pid_finder = pid_finder
@@ -201,6 +211,15 @@ class TcpCollector:
 
     # -- start ------------------------------------------------------------------
     def _start(self, factory: ProgramFactory) -> None:
+        if factory is Program.load:
+            try:
+                # First, so a user without root or CAP_BPF hears that (with the way out), not a
+                # PermissionError from the feature probes below.
+                check_environment()
+            except BPFUnavailable as exc:
+                self.unavailable = exc
+                log.warning("tcp collector unavailable: %s", exc)
+                return
         defines, self.send_path = send_path_defines()
         defines.update({
             "SEND_TIMING": int(self.config.send_timing),
@@ -233,20 +252,40 @@ class TcpCollector:
                 program.close()
             return
         self.program = program
+        self._unsubscribe_own = self.own_connections.subscribe(self._own_connection_changed)
         _calibrate()
         self._hist_history.append((self.clock(), {}))  # the window starts empty at load
         self._baseline = self._established_now()
         self._refresh_pids(self.clock())
 
+    def _own_connection_changed(self, pair: Pair, added: bool) -> None:
+        """Keep the BPF ``own_conns`` map in step with llmdiag's own connections (called from
+        the thread that opens one, before it connects)."""
+        program = self.program
+        if program is None or program.closed:
+            return
+        try:
+            table = program.table("own_conns")
+            key = table.Key((pair[0] << 16) | pair[1])
+            if added:
+                table[key] = table.Leaf(1)
+            else:
+                del table[key]
+        except Exception as exc:  # noqa: BLE001 - a full map or a closed program: the scrape is merely counted
+            log.debug("own_conns update for %s failed: %s", pair, exc)
+
     def _established_now(self) -> dict[tuple[int, str], int]:
         """ESTABLISHED connections per subject key at start (sock_diag), the base of the active gauge."""
         counts: dict[tuple[int, str], int] = {}
+        own = self.own_connections.pairs()
         try:
             for _state, lport, remote in iter_tcp(("ESTABLISHED",)):
+                rport = int(remote.rsplit(":", 1)[1])
+                if (lport, rport) in own or (rport, lport) in own:
+                    continue  # llmdiag's own scrape
                 if lport in self.server_ports:
                     key = (SIDE_SERVER, str(lport))
                 else:
-                    rport = int(remote.rsplit(":", 1)[1])
                     if rport not in self.client_ports:
                         continue
                     key = (SIDE_CLIENT, remote)
@@ -334,6 +373,7 @@ class TcpCollector:
     def collect(self, now: float) -> list[Sample]:
         if self.program is None:
             return []
+        self.own_connections.pairs()  # forgets closed connections past their linger (and drops them from the map)
         self._tick_problems = []
         tick = self.clock()
         self._refresh_pids(tick)
@@ -440,8 +480,39 @@ class TcpCollector:
         return CollectorStatus(CollectorState.OK, f"sends via {self.send_path}", self._last_ok_ts)
 
     def close(self) -> None:
+        if self._unsubscribe_own is not None:
+            self._unsubscribe_own()
+            self._unsubscribe_own = None
         if self.program is not None:
             self.program.close()
+
+
+#: What each tracepoint of tcp_health.bpf.c is for; inet_sock_set_state is the one the collector needs.
+_PURPOSES = {
+    ("sock", "inet_sock_set_state"): ("connections, closes, TIME_WAIT entries, connect latency", True),
+    ("sock", "sock_send_length"): ("bytes and sends per socket (else kprobe tcp_sendmsg)", False),
+    ("raw", "sock_send_length"): ("the same sends without a perf record each (faster)", False),
+    ("tcp", "tcp_retransmit_skb"): ("retransmits", False),
+    ("tcp", "tcp_send_reset"): ("resets sent", False),
+    ("tcp", "tcp_receive_reset"): ("resets received", False),
+    ("tcp", "tcp_probe"): ("sampled srtt", False),
+    ("sock", "sock_exceed_buf_limit"): ("socket memory pressure", False),
+}
+
+
+def attach_points() -> list[AttachNeed]:
+    """The attach points of the tcp collector, read from its BPF program (``llmdiag doctor``)."""
+    out = []
+    for category, event in program_tracepoints("tcp_health"):
+        if category == "syscalls":
+            purpose, required = "time spent in sends ([tcp] send_timing, off by default)", False
+        else:
+            purpose, required = _PURPOSES.get((category, event), ("", False))
+        kind = "raw_tracepoint" if category == "raw" else "tracepoint"
+        target = event if category == "raw" else f"{category}:{event}"
+        out.append(AttachNeed("tcp", kind, target, purpose, required))
+    out.append(AttachNeed("tcp", "kprobe", "tcp_sendmsg", "sends on kernels without sock:sock_send_length", False))
+    return out
 
 
 def build_tcp_collector(config: Any, backends: list[Backend]) -> TcpCollector:

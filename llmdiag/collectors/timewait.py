@@ -22,6 +22,11 @@ Sources (SPEC section 4, "timewait"):
 
 Works without BPF and without root for the ``/proc`` part; sock_diag needs no
 privilege for TCP dumps either.
+
+llmdiag's own sockets (its scrapes, :mod:`llmdiag.collectors.own_sockets`) are
+left out of the per-destination counts: the agent never blames a backend for
+TIME_WAIT it made itself. The host total (``sockstat``) is the kernel's and
+keeps them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from llmdiag.collectors import procnet
+from llmdiag.collectors.own_sockets import OWN_PORTS
 from llmdiag.collectors.sockdiag import SockDiagError, dump_tcp
 from llmdiag.config.tcp import TimewaitConfig
 from llmdiag.model import Backend, CollectorState, CollectorStatus, Sample, Scope
@@ -98,8 +104,10 @@ class TimewaitCollector:
         clock: Callable[[], float] = time.monotonic,
         diag: Callable[..., Mapping[str, object]] = dump_tcp,
         entry_source: ActiveCloseSource | None = None,
+        own_connections: Callable[[], frozenset[tuple[int, int]]] = OWN_PORTS.pairs,
     ) -> None:
         self.config = config or TimewaitConfig()
+        self.own_connections = own_connections
         self.proc_root = Path(proc_root)
         self.clock = clock
         self.diag = diag
@@ -135,6 +143,7 @@ class TimewaitCollector:
                 states=_HELD_STATES,
                 ephemeral=range(port_range.low, port_range.high + 1) if port_range else None,
                 recent_ms=int(window * 1000),
+                exclude=self.own_connections(),
             )
         except (SockDiagError, OSError) as exc:
             self._problems.append(f"sock_diag dump failed: {exc}")

@@ -184,9 +184,15 @@ class BalancerConfig:
     choices: int = 4
     #: Sample candidates with replacement (Envoy's P2C) instead of d distinct ones.
     with_replacement: bool = False
+    #: Pools of at most this many eligible backends are scanned in full instead of sampled (pick stays
+    #: O(d) above it). 0 = always sample d. 8 = 2 d: where d choices would sample half the pool or more,
+    #: a scan costs little more (~8 candidates, ~2 us) and never misses the best backend; measured in the
+    #: simulator on long prompts (issue 14 point 3, docs/benchmarks.md).
+    full_scan_up_to: int = 8
     #: effective = score / (1 + in_flight_penalty * load).
     in_flight_penalty: float = 0.1
-    #: load = (pending prefill tokens + this prompt) * slowness / tokens_per_slot + in-flight requests.
+    #: load = (pending prefill tokens + this prompt) * slowness ** prefill_slowness_exponent / tokens_per_slot
+    #: + in-flight requests.
     #: 32 from the sweep (was 2048, at which the ~90 decoding requests of a busy engine drowned the
     #: prefill backlog that makes TTFT).
     tokens_per_slot: float = 32.0
@@ -194,6 +200,11 @@ class BalancerConfig:
     #: token of our own dispatches); the backend's slowness relative to the pool's mean scales its
     #: pending tokens in the load. 0 turns the measurement off (every backend's tokens count alike).
     prefill_speed_alpha: float = 0.05
+    #: The measured slowness weighs pending tokens as ``slowness ** prefill_slowness_exponent``. 1 takes
+    #: the measurement at face value; 0.5 (measured, issue 14 point 3) keeps most of its benefit on long
+    #: prompts and in mixed pools, and stops it from starving a throttled replica on short prompts, where
+    #: the measurement (busy time per drained token, queueing included) overstates the slowness.
+    prefill_slowness_exponent: float = 0.5
     #: A drain counts as a speed sample only when the backend held at least this many pending
     #: prompt tokens (nearly idle engines are dominated by per-step overhead and would look slow).
     prefill_sample_min_tokens: int = 2048
@@ -250,9 +261,12 @@ class BalancerConfig:
     def __post_init__(self) -> None:
         if self.choices < 0:
             raise ValueError(f"choices must be >= 0 (0 = all backends), got {self.choices}")
+        if self.full_scan_up_to < 0:
+            raise ValueError(f"full_scan_up_to must be >= 0, got {self.full_scan_up_to}")
         _non_negative("in_flight_penalty", self.in_flight_penalty)
         _positive("tokens_per_slot", self.tokens_per_slot)
         _unit("prefill_speed_alpha", self.prefill_speed_alpha)
+        _unit("prefill_slowness_exponent", self.prefill_slowness_exponent)
         _non_negative("prefill_sample_min_tokens", self.prefill_sample_min_tokens)
         _positive("prefill_speed_stale_seconds", self.prefill_speed_stale_seconds)
         for key in ("consecutive_failures", "half_open_successes", "probe_successes", "half_open_max_in_flight"):

@@ -126,7 +126,8 @@ def build(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
 
 
 def to_data(obj: Any) -> Any:
-    """A config object back to plain TOML-like data (for ``llmdiag config`` and tests)."""
+    """A config object back to plain TOML-like data: what :meth:`Config.from_data` reads back
+    (the config tests' round trip). ``llmdiag config`` prints :func:`to_toml` instead."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_data(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
     if isinstance(obj, (list, tuple)):

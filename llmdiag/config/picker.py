@@ -26,6 +26,10 @@ def split_listen(text: str, key: str = "listen") -> tuple[str, int]:
 class PickerConfig:
     #: gRPC (ext_proc) address. Loopback unless configured (SPEC 10); 9002 is the inference gateways' EPP port.
     listen: str = "127.0.0.1:9002"
+    #: PEM certificate chain and key: serve ext_proc over TLS (the Kubernetes inference gateways connect to
+    #: their picker with TLS by default); both "" = plaintext gRPC.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
     #: HTTP address of the picker's own /metrics and /healthz ("" = none).
     metrics_listen: str = "127.0.0.1:9090"
     #: Request bodies larger than this are answered 413 by the picker (Envoy's own buffer limit applies first).
@@ -41,6 +45,16 @@ class PickerConfig:
     chars_per_token: float = 4.0
     #: Bytes of an error response's body kept to classify it (saturation 429/503 versus a client quota).
     error_body_bytes: int = 4096
+    #: ``HOST:PORT`` whose DNS addresses are backends too, re-resolved every ``discover_interval_seconds``
+    #: (a Kubernetes headless Service over the InferencePool's pods); "" = only the configured backends.
+    discover: str = ""
+    #: Models the discovered backends serve (empty = any model).
+    discover_models: tuple[str, ...] = ()
+    discover_interval_seconds: float = 5.0
+    #: Active probes of each backend (SPEC 6.3: a 1-token completion every ``[balancer]
+    #: probe_interval_seconds``, every ``probe_ejected_interval_seconds`` while ejected): what re-admits an
+    #: ejected engine before its ejection time is out, since the picker sends it no traffic meanwhile.
+    probes: bool = True
     #: Node agents' base URLs whose ``/v1/penalties`` feed the balancer (``--agent URL`` replaces this list).
     agents: tuple[str, ...] = ()
     #: Bearer token sent to the agents ("" = none).
@@ -53,6 +67,8 @@ class PickerConfig:
         split_listen(self.listen, "picker.listen")
         if self.metrics_listen:
             split_listen(self.metrics_listen, "picker.metrics_listen")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("picker.tls_cert_file and picker.tls_key_file go together (both, or neither)")
         if not 1024 <= self.max_body_bytes <= 1 << 30:
             raise ValueError(f"picker.max_body_bytes must be 1024..1073741824, got {self.max_body_bytes}")
         if not 1 <= self.max_streams <= 1_000_000:
@@ -67,7 +83,9 @@ class PickerConfig:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"picker.agents: {url!r} is not an http(s)://host:port URL")
-        for name in ("agent_poll_seconds", "agent_timeout_seconds"):
+        if self.discover:
+            split_listen(self.discover, "picker.discover")
+        for name in ("agent_poll_seconds", "agent_timeout_seconds", "discover_interval_seconds"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"picker.{name} must be a finite number > 0, got {value}")

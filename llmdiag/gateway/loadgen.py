@@ -9,6 +9,9 @@ about that many tokens, ``max_tokens`` and ``ignore_eos`` so engines generate
 the full output. With several targets, requests go to them in turn (to
 measure "direct to the engines, spread evenly" as a baseline).
 
+A client hangs up (``timeout`` status) after ``timeout`` seconds without a
+token, the first one included, as impatient clients do.
+
 Measured per request: TTFT (send to the first streamed event), inter-token
 latency (gaps between streamed events), E2E, the status (HTTP status, or
 ``timeout``, ``connect_error``, ``stream_error``), and the
@@ -173,8 +176,11 @@ async def _one(session: aiohttp.ClientSession, result: RequestResult, path: str,
                t0: float) -> None:
     start = time.perf_counter()
     last: float | None = None
+    loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(timeout):
+        # The client hangs up after ``timeout`` seconds without a token (the first one included):
+        # an impatient user, as the simulator's client_timeout_s models; a long healthy stream lives on.
+        async with asyncio.timeout(timeout) as deadline:
             async with session.post(result.target + path, data=body,
                                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"}) as resp:
                 result.backend = resp.headers.get(BACKEND_HEADER)
@@ -195,6 +201,7 @@ async def _one(session: aiohttp.ClientSession, result: RequestResult, path: str,
                     if b'"finish_reason": null' not in payload and b'"finish_reason":null' not in payload:
                         continue  # the closing chunk (finish_reason, usage) carries no token
                     now = time.perf_counter()
+                    deadline.reschedule(loop.time() + timeout)
                     if last is None:
                         result.ttft = now - start
                     else:

@@ -396,14 +396,14 @@ class Gateway:
     async def _pass_failure(self, request: web.Request, failure: _Failure, started: float, attempts: int,
                             reason: str) -> web.StreamResponse:
         status = failure.status if isinstance(failure.status, int) else (504 if failure.status == TIMEOUT else 502)
-        if failure.body or isinstance(failure.status, int):
+        if failure.body:  # the backend's own answer, as it sent it
             resp = web.Response(status=status, body=failure.body)
             for k, v in failure.headers:
-                if k.lower() != "content-encoding" or failure.body:
-                    resp.headers.add(k, v)
+                resp.headers.add(k, v)
         else:
-            what = "timed out" if failure.status == TIMEOUT else "could not be reached"
-            resp = _error(status, f"backend {failure.backend.name} {what}", "upstream_" + str(failure.status))
+            what = {TIMEOUT: "timed out", CONNECT_ERROR: "could not be reached"}.get(
+                failure.status if isinstance(failure.status, str) else "", f"answered {status} without a body")
+            resp = _error(status, f"backend {failure.backend.name} {what}", "upstream_error")
         resp.headers[BACKEND_HEADER] = failure.backend.name
         resp.headers[ROUTE_HEADER] = f"attempt={attempts}"
         cls = failure.classification.response_class.value

@@ -47,9 +47,9 @@ class Backend:
 
     @classmethod
     def from_url(cls, url: str, name: str | None = None, **kwargs: Any) -> Backend:
-        """A backend named after its address unless a name is given."""
+        """A backend named after its address (``10.0.0.7:8000``, ``[::1]:8201``) unless a name is given."""
         scheme, host, port = split_backend_url(url)
-        return cls(name=name or f"{host}:{port}", url=url.rstrip("/"), **kwargs)
+        return cls(name=name or _address(host, port), url=url.rstrip("/"), **kwargs)
 
     @property
     def scheme(self) -> str:
@@ -67,7 +67,7 @@ class Backend:
     def address(self) -> str:
         """``host:port``, as exporters and the penalties document show it."""
         _, host, port = split_backend_url(self.url)
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return _address(host, port)
 
     def with_process(self, pid: int | None, gpus: tuple[int, ...] = ()) -> Backend:
         return replace(self, pid=pid, gpus=tuple(gpus))
@@ -94,6 +94,11 @@ class Backend:
             gpus=tuple(obj.get("gpus") or ()),
             labels=dict(obj.get("labels") or {}),
         )
+
+
+def _address(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets as in URLs: ``[::1]:8201``, never ``::1:8201``."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def split_backend_url(url: str) -> tuple[str, str, int]:

@@ -67,9 +67,6 @@ class Labelled(dict[str, float]):
         key = label_key(**labels)
         self[key] = self.get(key, 0) + amount
 
-    def get_labels(self, **labels: str) -> float | None:
-        return self.get(label_key(**labels))
-
     def total(self) -> float:
         return float(sum(self.values()))
 

@@ -46,6 +46,7 @@ def envoy_bootstrap(
     route_timeout_seconds: float = 60.0,
     message_timeout_seconds: float = 5.0,
     subset_hint_header: bool = False,
+    picker_tls: bool = False,
     access_log: str = "",
 ) -> dict[str, Any]:
     """An Envoy bootstrap: listener on ``host:listen_port``, admin on ``host:admin_port``.
@@ -54,6 +55,8 @@ def envoy_bootstrap(
     ``x-gateway-destination-endpoint-subset`` (comma-separated ``ip:port``)
     into the ``envoy.lb.subset_hint`` filter metadata, the way an inference
     gateway passes its subset hint, and forward that namespace to the picker.
+    ``picker_tls``: talk TLS to the picker without verifying its certificate,
+    as the Kubernetes inference gateways do with their picker by default.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -115,6 +118,10 @@ def envoy_bootstrap(
             "load_assignment": {"cluster_name": "llmdiag_picker", "endpoints": [
                 {"lb_endpoints": [{"endpoint": {"address": _address(phost, pport)}}]}]},
         })
+        if picker_tls:
+            clusters[-1]["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "common_tls_context": {"alpn_protocols": ["h2"], "validation_context": {}}}}
     else:
         if not endpoints:
             raise ValueError(f"the {policy} policy needs endpoints")

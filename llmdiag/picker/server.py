@@ -18,8 +18,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmdiag.config.picker import split_listen
+from llmdiag.picker.discovery import DnsBackends
 from llmdiag.picker.service import EndpointPickerService
 from llmdiag.router_feedback.agent_penalties import AgentPenalties
+from llmdiag.router_feedback.probes import AiohttpProbeClient, ProbeRunner
 
 __all__ = ["SERVICE_NAME", "PickerServer"]
 
@@ -39,9 +41,16 @@ class PickerServer:
     """
 
     def __init__(self, service: EndpointPickerService, listen: str, metrics_listen: str = "",
-                 agents: AgentPenalties | None = None) -> None:
+                 agents: AgentPenalties | None = None, discovery: DnsBackends | None = None) -> None:
         self.service = service
         self.agents = agents
+        self.discovery = discovery
+        self._static = list(service.balancer.backends)
+        self._discovery_task: asyncio.Task[None] | None = None
+        self.probes: ProbeRunner | None = None
+        if service.config.probes:
+            service.metrics.watch_probes(
+                lambda: (self.probes.probes_total, self.probes.probe_failures_total) if self.probes else (0, 0))
         self._session: aiohttp.ClientSession | None = None
         self._stop = asyncio.Event()
         self._agent_task: asyncio.Task[None] | None = None
@@ -54,7 +63,17 @@ class PickerServer:
         self.port = 0
         self.metrics_port = 0
 
+    def _apply_discovered(self, backends: list) -> None:
+        names = {b.name for b in self._static}
+        self.service.set_backends([*self._static, *(b for b in backends if b.name not in names)])
+
     async def start(self) -> None:
+        self._stop.clear()
+        if self.discovery is not None:
+            # One resolution before serving, so the first requests have the pool; later ones in the background.
+            if await self.discovery.poll():
+                self._apply_discovered(self.discovery.backends or [])
+            self._discovery_task = asyncio.create_task(self.discovery.run(self._apply_discovered, self._stop))
         host, port = self._listen
         server = grpc.aio.server(
             maximum_concurrent_rpcs=self.service.config.max_streams,
@@ -69,7 +88,18 @@ class PickerServer:
         })
         server.add_generic_rpc_handlers((handler,))
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self.port = server.add_insecure_port(address)
+        config = self.service.config
+        if config.tls_cert_file:
+            try:
+                with open(config.tls_cert_file, "rb") as f:
+                    chain = f.read()
+                with open(config.tls_key_file, "rb") as f:
+                    key = f.read()
+            except OSError as exc:
+                raise OSError(f"cannot read the TLS certificate or key: {exc}") from None
+            self.port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, chain)]))
+        else:
+            self.port = server.add_insecure_port(address)
         if not self.port:
             raise OSError(f"cannot listen on {address} (in use or not a local address)")
         await server.start()
@@ -91,13 +121,25 @@ class PickerServer:
             self._runner = runner
             sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
             self.metrics_port = sockets[0].getsockname()[1] if sockets else mport
-        if self.agents is not None:
-            self._stop.clear()
+        if self.agents is not None or config.probes:
             self._session = aiohttp.ClientSession()
+        if self.agents is not None:
             self._agent_task = asyncio.create_task(self.agents.run(self._session, self.service.balancer, self._stop))
+        if config.probes:
+            balancer = self.service.balancer
+            self.probes = ProbeRunner(balancer, AiohttpProbeClient(balancer.config.probe_prompt, session=self._session))
+            self.probes.start()
 
     async def stop(self, grace: float = 1.0) -> None:
         self._stop.set()
+        if self.probes is not None:
+            await self.probes.close()
+            self.probes = None
+        if self._discovery_task is not None:
+            self._discovery_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._discovery_task
+            self._discovery_task = None
         if self._agent_task is not None:
             try:
                 await asyncio.wait_for(self._agent_task, self.agents.timeout + 1.0 if self.agents else 1.0)
@@ -126,4 +168,4 @@ class PickerServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "backends": len(self.service.balancer.backends)})
+        return web.json_response({"status": "ok", "backends": [b.name for b in self.service.balancer.backends]})

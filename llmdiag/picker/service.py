@@ -81,8 +81,12 @@ class EndpointPickerService:
         self._models = frozenset(m for b in backends for m in b.models)
         self._wildcard = any(not b.models for b in backends)
         self.replies.retain(self._by_address)
-        for b in backends:
-            self.in_flight.setdefault(b.name, 0)
+        names = {b.name for b in backends}
+        # Forget backends that left and have nothing in flight (DNS discovery churns pod addresses).
+        for name in [n for n, count in self.in_flight.items() if n not in names and count <= 0]:
+            del self.in_flight[name]
+        for name in names:
+            self.in_flight.setdefault(name, 0)
 
     def _backend_rows(self) -> Iterable[tuple[str, int, float, float]]:
         balancer = self.balancer
@@ -121,8 +125,12 @@ class EndpointPickerService:
                         metrics.failures["internal"].inc()
                         log.exception("picker bookkeeping failed")
         finally:
-            exchange.close()
             metrics.streams_active.dec()
+            try:
+                exchange.close()
+            except Exception:  # noqa: BLE001 - a bug in bookkeeping must not hide how the stream ended
+                metrics.failures["internal"].inc()
+                log.exception("picker bookkeeping failed at the end of a stream")
 
 
 class _Exchange:

@@ -101,7 +101,7 @@ class Balancer:
         self._slots: dict[str, Slot] = {}
         self._health: dict[str, Health] = {}
         self._table = EMPTY_TABLE
-        self._choose = chooser(cfg.choices, cfg.with_replacement, cfg.in_flight_penalty)
+        self._choose = chooser(cfg.choices, cfg.with_replacement, cfg.in_flight_penalty, cfg.full_scan_up_to)
         self._long_tokens = cfg.errors.long_context_tokens
         #: Counters for exporters: "detected" and "enforced" are kept apart.
         self.counters: dict[str, int] = {
@@ -423,7 +423,7 @@ class Balancer:
         return slot.view.value(self._clock())
 
     def load(self, backend: Backend | str) -> float:
-        """``pending_tokens * slowness / tokens_per_slot + in_flight`` (slowness 1 until measured)."""
+        """``pending_tokens * slowness ** prefill_slowness_exponent / tokens_per_slot + in_flight`` (slowness 1 until measured)."""
         slot = self._slots[backend if isinstance(backend, str) else backend.name]
         return slot.pending_tokens * slot.token_weight + slot.in_flight
 

@@ -104,7 +104,7 @@ def build_table(short: Sequence[Slot], long: Sequence[Slot], limits: Mapping[Slo
     return RoutingTable(short_pools, long_pools, short_wild, long_wild, dict(limits), expires_at)
 
 
-def chooser(d: int, with_replacement: bool, in_flight_penalty: float) -> Callable[..., Slot]:
+def chooser(d: int, with_replacement: bool, in_flight_penalty: float, scan_up_to: int = 0) -> Callable[..., Slot]:
     """``choose(pool, n, now, tokens, random_) -> Slot`` with the balancer's constants bound.
 
     ``choose`` returns the best of ``d`` candidates sampled from ``pool``
@@ -113,12 +113,15 @@ def chooser(d: int, with_replacement: bool, in_flight_penalty: float) -> Callabl
 
         effective    = score / (1 + in_flight_penalty * load)
         load         = (pending_tokens + tokens) * token_weight + in_flight
-        token_weight = clamp(measured prefill slowness, 0.1, 10) / tokens_per_slot   (slowness 1 until measured)
+        token_weight = clamp(measured prefill slowness, 0.1, 10) ** prefill_slowness_exponent / tokens_per_slot
+                       (slowness 1 until measured; exponent 0.5)
 
     ``score`` is the backend's health score as its :class:`ScoreView` gives it
     now (warm-up ramp and penalty included). The local load term is in every
     comparison, so a stale high score cannot herd traffic. Candidates:
-    ``d == 0`` or ``d >= n`` (without replacement) is a full scan; otherwise
+    ``d == 0``, ``d >= n`` (without replacement) or ``n <= scan_up_to`` is a
+    full scan (a small pool costs little to scan, and sampling half of it
+    misses the best backend often; issue 14 point 3); otherwise
     ``d`` are drawn, distinct unless ``with_replacement``: by rejection while
     ``d <= n / 2`` (few redraws), else by a partial Fisher-Yates shuffle of a
     copy. Ties are broken uniformly (reservoir sampling: the k-th tied
@@ -134,7 +137,9 @@ def chooser(d: int, with_replacement: bool, in_flight_penalty: float) -> Callabl
         if tokens < 0:
             tokens = 0
         candidates: Iterable[Slot]
-        if two and (n > 2 or with_replacement):
+        if n <= scan_up_to:
+            candidates = pool
+        elif two and (n > 2 or with_replacement):
             i = int(random_() * n)
             if with_replacement:
                 j = int(random_() * n)

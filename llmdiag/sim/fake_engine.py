@@ -35,6 +35,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -43,6 +44,9 @@ from prometheus_client.registry import Collector
 
 from llmdiag.sim.engine_model import CRASH_BODY, DECODE, PRESETS, WAITING, EngineModel, SimRequest
 from llmdiag.sim.faults import FaultSchedule
+
+if TYPE_CHECKING:
+    from llmdiag.sim.fake_engine_grpc import GrpcFrontend
 
 __all__ = ["FakeEngine", "FakeEngineOptions"]
 
@@ -69,6 +73,8 @@ class FakeEngineOptions:
     faults: FaultSchedule = field(default_factory=FaultSchedule)
     engine_label: str = "0"
     seed: int = 0
+    #: also serve the h2c gRPC streaming Generate method on this port (0 picks one; None: no gRPC)
+    grpc_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.profile not in PRESETS:
@@ -132,6 +138,8 @@ class FakeEngine:
         self._site: web.TCPSite | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.port = options.port
+        self.grpc: GrpcFrontend | None = None
+        self.grpc_port: int | None = None
         self._build_metrics()
 
     def _build_metrics(self) -> None:
@@ -174,6 +182,11 @@ class FakeEngine:
         """Bind the port (0 picks one: see :attr:`port`) and start the engine loop."""
         self._t0 = self.clock()
         await self._listen()
+        if self.options.grpc_port is not None:
+            from llmdiag.sim.fake_engine_grpc import GrpcFrontend  # noqa: PLC0415 - grpcio only when asked
+
+            self.grpc = GrpcFrontend(self)
+            self.grpc_port = await self.grpc.start(self.options.host, self.options.grpc_port)
         self._tasks = [asyncio.create_task(self._engine_loop()), asyncio.create_task(self._fault_loop())]
 
     async def _listen(self) -> None:
@@ -204,6 +217,8 @@ class FakeEngine:
                 pass
         for stream in list(self._streams.values()):
             stream.queue.put_nowait(None)
+        if self.grpc is not None:
+            await self.grpc.stop()
         await self._die()
 
     @property

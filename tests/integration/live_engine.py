@@ -2,7 +2,8 @@
 
 ``with loaded_engine("crash:start=2,down=60", rps=20) as engine:`` starts
 :class:`~llmdiag.sim.fake_engine.FakeEngine` with that fault schedule and an
-open-loop client sending ``rps`` short completions per second over aiohttp;
+open-loop client sending ``rps`` short completions per second over aiohttp (none
+with ``rps=0``);
 everything stops when the block ends (bounded: the thread is joined with a
 timeout). ``engine.url`` is its address; ``engine.statuses`` counts the HTTP
 statuses (or ``"refused"``) the client saw.
@@ -48,12 +49,13 @@ class LoadedEngine:
             self._ready.set()
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
                 tasks: set[asyncio.Task[None]] = set()
-                while not self._stop.is_set():
+                while self.rps > 0 and not self._stop.is_set():
                     task = asyncio.create_task(self._one(session))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._stop.wait(), 1.0 / self.rps)
+                await self._stop.wait()
                 for task in list(tasks):
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)

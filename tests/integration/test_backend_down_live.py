@@ -48,3 +48,16 @@ def test_a_backend_that_never_answered_is_critical(tmp_path, url_of, failure) ->
     assert down["kind"] == "backend_down"
     assert {e["signal"]: e["value"] for e in down["evidence"]}["scrape_failure"] == failure
     assert "never answered" in down["summary"]
+
+
+def test_an_engine_that_restarts_closes_backend_down_with_hysteresis(tmp_path) -> None:
+    # Dies at 1 s, answers again at 4 s (no warm-up): opened after two refused scrapes, held
+    # while the first answers come in, closed once it has answered for recover_seconds (3).
+    with loaded_engine("crash:start=1,down=3,warmup_s=0", rps=10) as engine:
+        run = llmdiag("--backend", engine.url, "diagnose", "--duration", "11", "--json", config=ENGINE_ONLY, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr  # a critical diagnosis happened during the run
+    report = json.loads(run.stdout)
+    (down,) = [d for d in report["diagnoses"] if d["kind"] == "backend_down"]
+    assert not down["open"] and down["closed_at"] - down["since"] >= 3 + 3 - 1  # down ~3 s, then held 3 s
+    (health,) = report["backends"].values()
+    assert health["penalty"] < 1.0  # answering again at the end: no longer ejected

@@ -357,3 +357,41 @@ def test_ipv6_bytes_and_a_connection_opened_before_start() -> None:
     assert snap.backends["v6"]["tcp_connections_active"] == 2
     assert snap.destinations[dest]["tcp_connect_latency_seconds"].count == 1
     assert snap.host["tcp_sock_common_mismatch_total"] == 0
+
+
+def test_llmdiags_own_scrapes_are_not_counted_but_a_clients_requests_are() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from engine_http import ScriptedServer
+
+    from llmdiag.collectors.engine import EngineCollector
+
+    body = "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine=\"0\"} 1.0\n"
+    with ScriptedServer({"/metrics": [body]}, keep_alive=True) as server:
+        backend = Backend.from_url(server.url, name="b0")
+        tcp = TcpCollector(TcpConfig(), [backend])
+        assert tcp.unavailable is None, tcp.unavailable
+        engine = EngineCollector([backend])
+        try:
+            for i in range(5):
+                engine.collect(float(i))
+            engine.close()  # closes the kept-alive connection: the active close is llmdiag's own
+            snap = _settle(tcp, lambda s: False, timeout=0.3)
+            ours = snap.backends["b0"]
+            assert ours["tcp_sends_total"] == 0 and ours["tcp_send_bytes_total"] == 0
+            assert ours["tcp_connections_active"] == 0 and ours["tcp_peer_closes_total"] == 0
+            # A client of the engine doing the same is counted.
+            client = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            client.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b"1.0\n"):
+                answer += client.recv(1 << 16)
+            client.close()
+            snap = _settle(tcp, lambda s: s.backends["b0"]["tcp_peer_closes_total"] >= 1)
+            theirs = snap.backends["b0"]
+            assert theirs["tcp_sends_total"] >= 1 and theirs["tcp_send_bytes_total"] >= len(body)
+            assert theirs["tcp_peer_closes_total"] == 1
+        finally:
+            tcp.close()

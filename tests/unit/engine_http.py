@@ -18,16 +18,24 @@ SHARED_ENGINES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtur
 
 
 class ScriptedServer:
-    def __init__(self, routes: dict[str, list]) -> None:
+    """``keep_alive``: speak HTTP/1.1 and keep connections open (as engines do); with
+    ``drop_idle`` it closes each one after answering without saying so (an idle timeout
+    that struck between two scrapes). ``peers`` lists the client port of every request."""
+
+    def __init__(self, routes: dict[str, list], keep_alive: bool = False, drop_idle: bool = False) -> None:
         self.routes = {path: list(answers) for path, answers in routes.items()}
         self.requests: list[tuple[str, dict[str, str]]] = []
+        self.peers: list[int] = []
         self._lock = threading.Lock()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1" if keep_alive else "HTTP/1.0"
+
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 with server._lock:
                     server.requests.append((self.path, dict(self.headers)))
+                    server.peers.append(self.client_address[1])
                     answers = server.routes.get(self.path)
                     answer = (answers.pop(0) if len(answers) > 1 else answers[0]) if answers else (404, "not found")
                 if isinstance(answer, str):
@@ -42,8 +50,11 @@ class ScriptedServer:
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     self.wfile.write(data)
+                    self.wfile.flush()
                 except (BrokenPipeError, ConnectionResetError):
                     pass
+                if drop_idle:
+                    self.close_connection = True
 
             def log_message(self, *args) -> None:
                 pass

@@ -17,7 +17,8 @@ from balancer_support import ScriptedRandom, VirtualClock, make, set_score, warm
 # Queue-factor scores: 100 * (1 - 0.25 * waiting / 30).
 # SPEC 6.3's P2C with the pre-sweep load constants, for the exact-pick and P2C-probability tests
 # (the defaults are d = 4 and other constants since the simulator sweep; see docs/simulator.md).
-P2C = BalancerConfig(choices=2, in_flight_penalty=0.1, tokens_per_slot=2048, prefill_speed_alpha=0.0)
+# full_scan_up_to=0: these tests are about sampling, which small pools skip by default (issue 14).
+P2C = BalancerConfig(full_scan_up_to=0, choices=2, in_flight_penalty=0.1, tokens_per_slot=2048, prefill_speed_alpha=0.0)
 WAITING_FOR = {100.0: 0.0, 95.0: 6.0, 87.5: 15.0, 75.0: 30.0}
 
 
@@ -49,13 +50,13 @@ def test_exact_tie_breaks_under_a_scripted_rng() -> None:
     # Three equal backends: the d = 2 path breaks a tie with one more draw, as every path does
     # (reservoir sampling: the second tied candidate wins when random() * 2 < 1).
     rng = ScriptedRandom()
-    balancer, clock = scored([100.0, 100.0, 100.0], config=BalancerConfig(choices=2, in_flight_penalty=0.0), rng=rng)
+    balancer, clock = scored([100.0, 100.0, 100.0], config=BalancerConfig(full_scan_up_to=0, choices=2, in_flight_penalty=0.0), rng=rng)
     rng.script([0.0, 0.0, 0.2, 0.0, 0.0, 0.7])
     assert balancer.pick("m", 0).name == "b1"
     assert balancer.pick("m", 0).name == "b0"
     # Two backends and d = 2 distinct is a full scan: the second tied candidate wins when random() * 2 < 1.
     rng = ScriptedRandom()
-    balancer, clock = scored([100.0, 100.0], config=BalancerConfig(choices=2, in_flight_penalty=0.0), rng=rng)
+    balancer, clock = scored([100.0, 100.0], config=BalancerConfig(full_scan_up_to=0, choices=2, in_flight_penalty=0.0), rng=rng)
     rng.script([0.3, 0.7])
     assert balancer.pick("m", 0).name == "b1"
     assert balancer.pick("m", 0).name == "b0"
@@ -84,7 +85,7 @@ def test_default_d_draws_four_distinct_backends_at_a_thousand() -> None:
     # Four of five (d > n / 2): partial Fisher-Yates, exactly d draws; the worst never wins
     # (load held out with in_flight_penalty = 0), since at least three others are always drawn.
     rng = ScriptedRandom(fallback=random.Random(7))
-    balancer, clock = make(5, config=BalancerConfig(in_flight_penalty=0.0), rng=rng)
+    balancer, clock = make(5, config=BalancerConfig(full_scan_up_to=0, in_flight_penalty=0.0), rng=rng)
     set_score(balancer, "b2", 30.0)
     assert Counter(balancer.pick("m", 0).name for _ in range(2000))["b2"] == 0
     set_score(balancer, "b1", 6.0)  # 95 points
@@ -110,7 +111,7 @@ def shares(balancer: Balancer, n: int = N, tokens: int = 0) -> dict[str, float]:
 def test_p2c_distinct_three_backends() -> None:
     # d = 2 distinct of 3: the pair is uniform over the 3 pairs {0,1}, {0,2}, {1,2}.
     # Best wins 2 of them -> 2/3; middle wins only {1,2} -> 1/3; worst never.
-    balancer, _ = scored([100.0, 87.5, 75.0], BalancerConfig(choices=2, in_flight_penalty=0.0), rng=random.Random(11))
+    balancer, _ = scored([100.0, 87.5, 75.0], BalancerConfig(full_scan_up_to=0, choices=2, in_flight_penalty=0.0), rng=random.Random(11))
     got = shares(balancer)
     assert got["b0"] == pytest.approx(2 / 3, abs=TOL)
     assert got["b1"] == pytest.approx(1 / 3, abs=TOL)
@@ -120,7 +121,7 @@ def test_p2c_distinct_three_backends() -> None:
 def test_p2c_with_replacement_two_backends_picks_the_worse_a_quarter_of_the_time() -> None:
     # Envoy-style P2C samples with replacement: the worse one wins only when both draws hit it,
     # P = (1/2) * (1/2) = 1/4; the better one wins 3/4.
-    cfg = BalancerConfig(choices=2, in_flight_penalty=0.0, with_replacement=True)
+    cfg = BalancerConfig(full_scan_up_to=0, choices=2, in_flight_penalty=0.0, with_replacement=True)
     balancer, _ = scored([100.0, 75.0], cfg, rng=random.Random(12))
     got = shares(balancer)
     assert got["b1"] == pytest.approx(0.25, abs=TOL)
@@ -128,13 +129,13 @@ def test_p2c_with_replacement_two_backends_picks_the_worse_a_quarter_of_the_time
 
 
 def test_p2c_distinct_two_backends_always_compares_both() -> None:
-    balancer, _ = scored([100.0, 75.0], BalancerConfig(in_flight_penalty=0.0), rng=random.Random(13))
+    balancer, _ = scored([100.0, 75.0], BalancerConfig(full_scan_up_to=0, in_flight_penalty=0.0), rng=random.Random(13))
     assert shares(balancer, 10_000) == {"b0": 1.0, "b1": 0.0}
 
 
 def test_ties_are_uniform() -> None:
     # Equal scores: every backend is equally likely, 1/3 each (both the pair and the tie-break are uniform).
-    balancer, _ = scored([100.0, 100.0, 100.0], BalancerConfig(in_flight_penalty=0.0), rng=random.Random(14))
+    balancer, _ = scored([100.0, 100.0, 100.0], BalancerConfig(full_scan_up_to=0, in_flight_penalty=0.0), rng=random.Random(14))
     for share in shares(balancer).values():
         assert share == pytest.approx(1 / 3, abs=TOL)
 
@@ -142,7 +143,7 @@ def test_ties_are_uniform() -> None:
 def test_power_of_three_choices_over_five() -> None:
     # d = 3 distinct of 5, ranked scores: rank k wins when it is sampled and no better one is:
     # P(k) = C(5 - k, 2) / C(5, 3) -> 6/10, 3/10, 1/10, 0, 0.
-    cfg = BalancerConfig(in_flight_penalty=0.0, choices=3)
+    cfg = BalancerConfig(full_scan_up_to=0, in_flight_penalty=0.0, choices=3)
     balancer, _ = scored([100.0, 95.0, 87.5, 75.0, 75.0], cfg, rng=random.Random(15))
     set_score(balancer, "b4", 60.0)  # 50 -> strictly worst
     got = shares(balancer)
@@ -153,7 +154,7 @@ def test_power_of_three_choices_over_five() -> None:
 
 
 def test_d_all_is_a_full_scan() -> None:
-    cfg = BalancerConfig(in_flight_penalty=0.0, choices=0)
+    cfg = BalancerConfig(full_scan_up_to=0, in_flight_penalty=0.0, choices=0)
     balancer, _ = scored([75.0, 87.5, 100.0, 95.0], cfg, rng=random.Random(16))
     assert shares(balancer, 1000) == {"b0": 0.0, "b1": 0.0, "b2": 1.0, "b3": 0.0}
 
@@ -174,7 +175,7 @@ def test_herding_100_simultaneous_picks_do_not_all_go_to_the_fresh_backend() -> 
     # arrive before any feedback. Picking by score alone sends all 100 to A; with the in-flight
     # term they split where 98 / (1 + 0.1 a) = 70 / (1 + 0.1 b), a + b = 100 -> a = 60, b = 40.
     def burst(in_flight_penalty: float) -> Counter:
-        balancer, clock = make(2, config=BalancerConfig(in_flight_penalty=in_flight_penalty), rng=random.Random(18))
+        balancer, clock = make(2, config=BalancerConfig(full_scan_up_to=0, in_flight_penalty=in_flight_penalty), rng=random.Random(18))
         balancer.set_penalty("b0", 0.02)
         balancer.set_penalty("b1", 0.30)
         assert balancer.score("b0") == pytest.approx(98.0) and balancer.score("b1") == pytest.approx(70.0)
@@ -309,3 +310,26 @@ def test_config_choices_validated() -> None:
         BalancerConfig(choices=-1)
     with pytest.raises(ValueError, match="tokens_per_slot"):
         BalancerConfig(tokens_per_slot=0)
+
+
+def test_small_pools_are_scanned_in_full_when_configured() -> None:
+    # full_scan_up_to = 8: a pool of 5 is scanned (no draw without a tie, the best always wins); a pool of
+    # 20 is sampled (d = 4 distinct: four draws).
+    cfg = BalancerConfig(full_scan_up_to=8, in_flight_penalty=0.0)
+    rng = ScriptedRandom([])  # any draw would fail
+    balancer, clock = make(5, config=cfg, rng=rng)
+    set_score(balancer, "b3", 0.0)
+    for name, waiting in (("b0", 6.0), ("b1", 12.0), ("b2", 15.0), ("b4", 30.0)):
+        set_score(balancer, name, waiting)  # 95, 90, 87.5, 75 points: b3 (100) is the best, no ties
+    assert balancer.pick("m", 0).name == "b3"
+    rng = ScriptedRandom()
+    balancer, clock = make(20, config=cfg, rng=rng)
+    set_score(balancer, "b0", 6.0)  # indices 0, 2, 4, 6 are drawn; b0 (95) is the one below 100
+    set_score(balancer, "b2", 30.0)
+    set_score(balancer, "b4", 15.0)
+    set_score(balancer, "b6", 12.0)
+    rng.script([0.0, 0.1, 0.2, 0.3])
+    assert balancer.pick("m", 0).name == "b0"
+    assert rng.calls == 4
+    with pytest.raises(ValueError, match="full_scan_up_to"):
+        BalancerConfig(full_scan_up_to=-1)

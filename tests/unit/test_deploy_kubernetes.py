@@ -24,7 +24,8 @@ from llmdiag.config import load_config
 KUBE = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 BASE = KUBE / "base"
 OVERLAYS = ["nvidia", "generic-headers", "privileged"]
-K8S_VERSION = "1.30.0"  # the oldest Kubernetes the manifests promise (appArmor fields, sidecars not used)
+#: Schemas to validate against: the oldest Kubernetes docs/deploy.md promises, and the newest known.
+K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 
 
 def load_all(path: Path) -> list[dict[str, Any]]:
@@ -106,7 +107,8 @@ def daemonset(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def validate(doc: dict[str, Any]) -> None:
-    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(doc, version, strict=True)
 
 
 # -- the base --------------------------------------------------------------------------------

@@ -90,7 +90,11 @@ def test_cli_replay_json_and_exit_codes(tmp_path: Path, capsys) -> None:
         rc = main(["diagnose", "--replay", str(path), "--json"])
         out = json.loads(capsys.readouterr().out)
         assert rc == code, name
-        assert set(out) == {"diagnoses", "backends"}
+        assert set(out) == {"verdict", "diagnoses", "backends", "collectors", "first_ts", "last_ts", "snapshots",
+                            "source", "interrupted"}
+        assert out["verdict"] == {0: "healthy", 1: "warning", 2: "critical"}[code], name
+        assert out["snapshots"] == len(SCENARIOS[name].build().snapshots) and out["interrupted"] is False
+        assert out["first_ts"] <= out["last_ts"]
         assert set(out["backends"]) == {"vllm-0", "vllm-1"}
         assert all(set(v) == {"penalty", "state"} for v in out["backends"].values())
         for d in out["diagnoses"]:

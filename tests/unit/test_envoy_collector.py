@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llmdiag.cli.wiring import COLLECTOR_FACTORIES, CollectorUnavailable
+from llmdiag.agent.wiring import COLLECTOR_FACTORIES, CollectorUnavailable
 from llmdiag.collectors.envoy_admin import EnvoyAdminCollector, parse_clusters, parse_stats
 from llmdiag.collectors.http_fetch import FetchResult
 from llmdiag.config import Config
@@ -49,12 +49,12 @@ def test_per_backend_classes_from_the_host_counters():
     collector = EnvoyAdminCollector(EnvoyConfig(admin_url="http://127.0.0.1:9901"), BACKENDS, fetcher(calls=calls))
     snap = snapshot(collector)
     assert calls == ["http://127.0.0.1:9901/clusters?format=json", "http://127.0.0.1:9901/stats?filter=%5Ecluster%5C."]
-    responses = {n: dict(snap.backends[n]["responses_total"]) for n in ("good", "bad", "stall", "solo")}
+    responses = {n: dict(snap.backends[n]["gateway_responses_total"]) for n in ("good", "bad", "stall", "solo")}
     assert responses["good"] == {"class=ok": 3, "class=server_5xx": 0, "class=timeout": 0, "class=connect_error": 0}
     assert responses["bad"]["class=server_5xx"] == 4 and responses["bad"]["class=ok"] == 0
     assert responses["stall"]["class=timeout"] == 3 and responses["stall"]["class=server_5xx"] == 0
     # The refused port is no configured backend: it is reported per destination.
-    dead = snap.destinations[f"127.0.0.1:{PORTS['dead']}"]["responses_total"]
+    dead = snap.destinations[f"127.0.0.1:{PORTS['dead']}"]["gateway_responses_total"]
     assert dead["class=connect_error"] == 3 and dead["class=server_5xx"] == 0
     assert snap.backends["good"]["gateway_connections_active"] == 1
     assert snap.backends["stall"]["gateway_connections_total"] == 3

@@ -265,3 +265,32 @@ def test_samples_use_gpu_scope_with_index_subject(h200: GpuCollector) -> None:
     samples = h200.collect(1.0)
     gpu_samples = [s for s in samples if s.scope is Scope.GPU]
     assert {s.subject for s in gpu_samples} == {str(i) for i in range(8)}
+
+
+def _failing_init(code_name: str):
+    from llmdiag.collectors.nvml_replay import ReplayNvml
+
+    return ReplayNvml({"format": "llmdiag.nvml-replay/v1", "devices": [], "init_error": code_name, "ticks": [{}]})
+
+
+def test_no_nvidia_software_is_a_status_not_a_warning_and_a_broken_driver_warns_once(caplog, monkeypatch) -> None:
+    import logging
+
+    from llmdiag.collectors import gpu as gpu_module
+    from llmdiag.collectors.nvml import Nvml
+
+    monkeypatch.setattr(gpu_module, "_LOGGED_UNAVAILABLE", set())  # this process may have warned already
+
+    with caplog.at_level(logging.INFO, logger="llmdiag.collectors.gpu"):
+        for _ in range(2):  # two commands' worth of collectors in one process
+            absent = GpuCollector(Nvml(_failing_init("NVML_ERROR_LIBRARY_NOT_FOUND")), [], xid_events=False)
+            absent.collect(1.0)
+            status = absent.status()
+            assert status.status is CollectorState.UNAVAILABLE and "libnvidia-ml.so.1 not found" in status.reason
+    assert [r.levelno for r in caplog.records] == [logging.INFO, logging.INFO]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="llmdiag.collectors.gpu"):
+        for _ in range(3):
+            GpuCollector(Nvml(_failing_init("NVML_ERROR_DRIVER_NOT_LOADED")), [], xid_events=False).collect(1.0)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "DRIVER_NOT_LOADED" in warnings[0].getMessage()

@@ -166,6 +166,17 @@ def test_backend_urls() -> None:
     b = Backend.from_url("http://10.0.0.7:8000", engine="vllm", models=("llama",))
     assert (b.name, b.scheme, b.host, b.port, b.address) == ("10.0.0.7:8000", "http", "10.0.0.7", 8000, "10.0.0.7:8000")
     assert Backend.from_url("grpc://[::1]:8001").address == "[::1]:8001"
+
+
+def test_ipv6_backends_are_named_as_everything_else_names_them() -> None:
+    import socket
+
+    from llmdiag.collectors.sockdiag import format_endpoint
+    from llmdiag.collectors.timewait import backend_destination
+
+    b = Backend.from_url("http://[::1]:8201")
+    kernel = format_endpoint(socket.AF_INET6, socket.inet_pton(socket.AF_INET6, "::1"), 8201)
+    assert b.name == b.address == backend_destination(b) == kernel == "[::1]:8201"  # never "::1:8201"
     assert Backend.from_json(b.to_json()) == b
     for bad in ("ftp://x:1", "http://:80", "grpc://host", "http://h:1/v1", "http://h:99999"):
         with pytest.raises(BackendURLError):

@@ -138,6 +138,29 @@ def test_bad_replay_file(tmp_path: Path) -> None:
         ReplayNvml.from_file(tmp_path / "bad.json")
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "cannot read NVML replay"),
+        (b"\x7fELF\x02\x01\x01\x00\xff\xfe", "is not text"),
+        (b"{not json", "is not JSON"),
+        (b'{"format": "something/else"}', "want a JSON object"),
+    ],
+    ids=["missing", "binary", "not-json", "wrong-format"],
+)
+def test_an_unusable_replay_file_is_a_usage_error_naming_the_file(tmp_path: Path, content: bytes | None, message: str) -> None:
+    from llmdiag.collectors.base import CollectorUsageError
+    from llmdiag.collectors.gpu import GpuCollector
+    from llmdiag.collectors.nvml_replay import ReplayFileError
+
+    path = tmp_path / "replay.json"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ReplayFileError, match=message) as raised:
+        GpuCollector.from_replay(path)
+    assert isinstance(raised.value, CollectorUsageError) and str(path) in str(raised.value)
+
+
 def test_init_failures_are_unavailable_with_a_hint() -> None:
     n = Nvml(ReplayNvml.from_file(FIXTURES / "no_driver.json"))
     with pytest.raises(NvmlUnavailable) as info:

@@ -326,3 +326,93 @@ def test_model_header_fast_path_picks_on_headers_and_skips_the_body():
     replies = run(service, [headers_msg({"x-gateway-model-name": "m"}), body_msg(request_body())])
     assert replies[0].HasField("request_headers") and not replies[0].request_headers.HasField("response")
     assert picked_endpoint(replies[1])
+
+
+# ---------------------------------------------------------------- DNS discovery
+
+
+def test_dns_backends_follow_the_answers_and_survive_failures():
+    from llmdiag.picker.discovery import DnsBackends
+
+    answers: list = [["10.0.0.2", "10.0.0.1", "10.0.0.1"], OSError("Name or service not known"), [],
+                     ["fd00::7"]]
+
+    async def resolve(host: str, port: int) -> list[str]:
+        assert (host, port) == ("pool.ns.svc", 8000)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    dns = DnsBackends("pool.ns.svc:8000", models=("m",), resolve=resolve)
+
+    async def go():
+        assert await dns.poll()
+        assert [b.name for b in dns.backends] == ["10.0.0.1:8000", "10.0.0.2:8000"]
+        assert dns.backends[0].models == ("m",) and dns.backends[0].url == "http://10.0.0.1:8000"
+        assert not await dns.poll()  # resolution failed: the last set stays
+        assert len(dns.backends) == 2 and dns.errors_total == 1
+        assert await dns.poll() and dns.backends == []  # an empty answer is the truth
+        assert await dns.poll() and dns.backends[0].url == "http://[fd00::7]:8000"
+
+    asyncio.run(go())
+
+
+def test_picker_server_applies_discovered_backends_to_the_balancer():
+    from llmdiag.picker.discovery import DnsBackends
+    from llmdiag.picker.server import PickerServer
+
+    answers = [["10.1.0.1"], ["10.1.0.1", "10.1.0.2"]]
+
+    async def resolve(host: str, port: int) -> list[str]:
+        return answers[0] if len(answers) == 1 else answers.pop(0)
+
+    async def go():
+        clock = Clock()
+        service = EndpointPickerService(Balancer([A], clock=clock, rng=random.Random(1)), PickerConfig(probes=False),
+                                        clock=clock)
+        dns = DnsBackends("pool:8000", models=("m",), interval=0.01, resolve=resolve)
+        server = PickerServer(service, "127.0.0.1:0", "", discovery=dns)
+        await server.start()
+        try:
+            assert {b.name for b in service.balancer.backends} == {"a", "10.1.0.1:8000"}
+            for _ in range(100):
+                if len(service.balancer.backends) == 3:
+                    break
+                await asyncio.sleep(0.01)
+            assert {b.name for b in service.balancer.backends} == {"a", "10.1.0.1:8000", "10.1.0.2:8000"}
+            # The new backend is routable: a subset hint naming it picks it.
+            reply = run_sync_exchange(service, [with_subset(headers_msg({}), ["10.1.0.2:8000"]), body_msg(request_body())])
+            assert picked_endpoint(reply[1]) == "10.1.0.2:8000"
+        finally:
+            await server.stop()
+
+    asyncio.run(go())
+
+
+def run_sync_exchange(service: EndpointPickerService, messages: list) -> list:
+    """Handle messages without the event loop (inside a running loop)."""
+    from llmdiag.picker.service import _Exchange
+
+    exchange = _Exchange(service)
+    replies = [pb.ProcessingResponse.FromString(exchange.handle(m)) for m in messages]
+    exchange.close()
+    return replies
+
+
+def test_cli_discover_needs_host_and_port(capsys):
+    assert main(["picker", "--discover", "pool.ns.svc"]) == EX_USAGE
+    assert "--discover must be HOST:PORT" in capsys.readouterr().err
+
+
+def test_the_documented_bootstrap_is_the_tested_one():
+    """docs/integrations/envoy.md shows exactly what envoy_bootstrap() gives the tests and the benchmark."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "integrations" / "envoy.md").read_text()
+    block = re.search(r"```yaml\n(.*?)```", doc, re.S)
+    assert block is not None
+    assert yaml.safe_load(block.group(1)) == envoy_bootstrap("picker", 8080, 9901, picker_address="127.0.0.1:9002")

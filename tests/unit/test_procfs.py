@@ -76,7 +76,19 @@ def test_recorded_tree_host_and_process_signals() -> None:
     # threads 4111 and 4112 are in D; 4110 and 4112 have ") X (" in their comm to trap naive parsers
     assert p["threads_dstate"] == 2
     assert "no-pid" not in snap.backends
+    # Found nothing for one backend: not "ok", and the status says for which and why.
+    st = c.status()
+    assert st.status is CollectorState.DEGRADED and "no local process found for no-pid" in st.reason
+    c = ProcCollector([backend("vllm-0", 4100)], proc_root=RECORDED, clock_ticks=100)
+    c.collect(2.0)
     assert c.status().status is CollectorState.OK
+
+
+def test_finding_nothing_is_degraded_with_the_reason(tmp_path: Path) -> None:
+    c = ProcCollector([], proc_root=tmp_path)
+    assert c.collect(1.0) == []
+    st = c.status()
+    assert st.status is CollectorState.DEGRADED and "no host signal" in st.reason and str(tmp_path) in st.reason
 
 
 def test_no_backends_gives_host_signals_only() -> None:

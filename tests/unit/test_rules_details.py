@@ -140,3 +140,23 @@ def test_enter_threshold_is_configurable() -> None:
     cfg = Config.from_toml("[diagnosis.kv_cache_saturation]\nenter = 0.95\nexit = 0.9\n").diagnosis
     _, opened = _opened(t, cfg)
     assert opened == []
+
+
+def test_a_diagnosis_held_by_hysteresis_shows_the_exit_threshold_and_says_holding() -> None:
+    t = TimelineBuilder().advance(40)
+    b = t.backend("vllm-0").set(kv_cache_usage=0.9, requests_waiting=2.0)
+    t.advance(5)  # opens: 0.9 >= enter 0.85 for 3 s
+    b.set(kv_cache_usage=0.8295)  # between exit 0.80 and enter 0.85: held open
+    t.advance(3)
+    a = Analyzer(backends=t.backends())
+    results = [a.observe(s) for s in t.snapshots]
+    (d,) = [d for d in results[-1].open if d.kind == "kv_cache_saturation"]
+    kv = next(e for e in d.evidence if e.signal == "kv_cache_usage")
+    assert kv.value == 0.8295 and kv.threshold == 0.8  # the exit threshold that keeps it open, not 0.85
+    assert "holding" in d.summary
+    waiting = next(e for e in d.evidence if e.signal == "requests_waiting")
+    assert waiting.window_seconds is None and waiting.window_text == "now"  # a current value, not "0s"
+    opened = next(r for r in results if r.opened)
+    (first,) = opened.opened
+    assert next(e for e in first.evidence if e.signal == "kv_cache_usage").threshold == 0.85
+    assert "holding" not in first.summary

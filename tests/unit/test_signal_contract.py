@@ -42,8 +42,8 @@ PROC_TREE = FIXTURES.parent / "proc" / "host618"
 NVML_H200 = FIXTURES.parent / "nvml" / "h200x8.json"
 
 #: (scope, signal) read by rules but emitted by no collector yet. Empty: ``responses_total{class}``
-#: (SPEC 3.2 "gateway feedback") comes from the engine's own ``http_requests_total{status}`` and
-#: from the envoy collector.
+#: (SPEC 3.2 "gateway feedback") comes from the engine's own ``http_requests_total{status}``; the
+#: envoy collector's gateway view of the same classes is ``gateway_responses_total{class}``.
 FUTURE_SOURCES: set[tuple[str, str]] = set()
 
 _SCOPE_OF_PREFIX = {"b": "backend", "e": "engine", "g": "gpu", "d": "destination", "h": "host"}

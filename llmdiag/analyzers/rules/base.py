@@ -10,7 +10,10 @@ this tick (a scrape gap): the engine then neither opens nor closes it.
 A :class:`Finding` carries two verdicts for hysteresis: ``enter`` (the
 strict condition, which must hold ``for_seconds`` to open) and ``stay``
 (the looser exit condition; the diagnosis closes when it fails, after
-``hold_seconds``).
+``hold_seconds``). A finding that stays without entering is *holding*: the
+rule then gives the exit threshold in its evidence (:func:`bar` picks it),
+and :meth:`Rule.finding` says "holding" in the summary, so that an open
+diagnosis never shows a value under the threshold it seems to need.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from llmdiag.analyzers.context import Context
 from llmdiag.config.analyzers import RuleConfig
 from llmdiag.model import Evidence, Severity
 
-__all__ = ["Finding", "Rule", "Verdict"]
+__all__ = ["Finding", "Rule", "Verdict", "bar", "ev"]
 
 C = TypeVar("C", bound=RuleConfig)
 
@@ -63,6 +66,9 @@ class Rule(Generic[C]):
         penalty: float | None = None,
     ) -> Finding:
         """A finding whose penalty follows the severity unless given (info defaults to 0)."""
+        holding = bool(stay) and not enter
+        if holding and "holding" not in summary:
+            summary += " (holding: past the exit threshold, no longer the enter one)"
         if penalty is None:
             penalty = {
                 Severity.CRITICAL: self.config.critical_penalty,
@@ -78,6 +84,12 @@ class Rule(Generic[C]):
             confidence=max(0.0, min(1.0, confidence)),
             penalty=max(0.0, min(1.0, penalty)),
         )
+
+
+def bar(enter: bool, enter_threshold: float, exit_threshold: float) -> float:
+    """The threshold the evidence shows: the enter one, or while holding (the enter condition
+    no longer met) the exit one that keeps the diagnosis open."""
+    return enter_threshold if enter else exit_threshold
 
 
 def ev(signal: str, value: float | str | None, threshold: float | str | None, window: float | None) -> Evidence:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from llmdiag.analyzers.context import Context
-from llmdiag.analyzers.rules.base import Rule, Verdict, ev
+from llmdiag.analyzers.rules.base import Rule, Verdict, bar, ev
 from llmdiag.config.analyzers import (
     ErrorBurstConfig,
     FalseHealthyConfig,
@@ -63,7 +63,7 @@ class KvCacheSaturation(Rule[KvCacheSaturationConfig]):
             stay = (usage is not None and usage >= cfg.exit) or preempting
             evidence = []
             if usage is not None:
-                evidence.append(ev(kv_name, usage, cfg.enter, cfg.for_seconds))
+                evidence.append(ev(kv_name, usage, bar(enter, cfg.enter, cfg.exit), cfg.for_seconds))
             if preempted is not None:
                 evidence.append(ev("preemptions_total (increase)", preempted, 0.0, cfg.preemption_window_seconds))
             if waiting is not None:
@@ -124,12 +124,12 @@ class QueueAvalanche(Rule[QueueAvalancheConfig]):
                         rising_unit = (name, waiting, ago)
                 if waiting >= cfg.waiting_exit or (waiting > 0 and slow_stay):
                     stay = True
-            evidence = [ev(worst[0], worst[1], cfg.waiting_enter, None)]
+            evidence = [ev(worst[0], worst[1], bar(enter, cfg.waiting_enter, cfg.waiting_exit), None)]
             if rising_unit is not None:
                 evidence.append(ev(f"{rising_unit[0]} {cfg.rise_window_seconds:g}s ago", rising_unit[2], "< now", cfg.rise_window_seconds))
             if ttft is not None:
-                bar = None if base is None else base * cfg.ttft_ratio_enter
-                evidence.append(ev("ttft_seconds.ewma", ttft, bar if bar is not None else "baseline warming up", ctx.config.baseline_seconds))
+                ttft_bar = None if base is None else base * bar(enter, cfg.ttft_ratio_enter, cfg.ttft_ratio_exit)
+                evidence.append(ev("ttft_seconds.ewma", ttft, ttft_bar if ttft_bar is not None else "baseline warming up", ctx.config.baseline_seconds))
             critical = worst[1] >= cfg.critical_factor * cfg.waiting_enter or (
                 ratio is not None and ratio >= 2 * cfg.ttft_ratio_enter and slow_enter
             )
@@ -167,7 +167,7 @@ class FalseHealthy(Rule[FalseHealthyConfig]):
             severity = Severity.CRITICAL if ttft >= cfg.critical_factor * cfg.ttft_enter_seconds else Severity.WARNING
             evidence = [
                 ev("up", 1.0, 1.0, None),
-                ev("ttft_seconds.ewma", ttft, cfg.ttft_enter_seconds, cfg.for_seconds),
+                ev("ttft_seconds.ewma", ttft, bar(enter, cfg.ttft_enter_seconds, cfg.ttft_exit_seconds), cfg.for_seconds),
                 ev("peers ttft_seconds.ewma (median)", peers, f"< {normal_bar:g}", None),
             ]
             summary = f"/health answers but TTFT is {ttft:.2f}s while peers serve in {peers:.2f}s"
@@ -243,7 +243,7 @@ class ErrorBurst(Rule[ErrorBurstConfig]):
             stay = total > 0 and ratio >= cfg.ratio_exit
             severity = Severity.CRITICAL if ratio >= cfg.critical_ratio else Severity.WARNING
             evidence = [
-                ev(f"{source} error ratio", ratio, cfg.ratio_enter, cfg.window_seconds),
+                ev(f"{source} error ratio", ratio, bar(enter, cfg.ratio_enter, cfg.ratio_exit), cfg.window_seconds),
                 ev(f"{source} (increase)", total, cfg.min_responses, cfg.window_seconds),
             ]
             what = "/".join(sorted(bad_names)) or ("server_5xx/saturated_429" if source == "responses_total" else "errors")

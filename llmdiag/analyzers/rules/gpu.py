@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable
 
 from llmdiag.analyzers.context import Context, number
-from llmdiag.analyzers.rules.base import Rule, Verdict, ev
+from llmdiag.analyzers.rules.base import Rule, Verdict, bar, ev
 from llmdiag.config.analyzers import (
     GpuFaultConfig,
     GpuIdleWithQueueConfig,
@@ -108,7 +108,7 @@ class GpuMemoryPressure(Rule[GpuMemoryPressureConfig]):
             stay = oom or (frag is not None and frag >= 0.8 * cfg.fragmentation_enter) or (bool(retries) and used is not None and used >= cfg.used_exit)
             evidence = []
             if used is not None:
-                evidence.append(ev(f"gpus[{used_gpu}].memory_used_bytes / memory_total_bytes", used, cfg.used_enter, None))
+                evidence.append(ev(f"gpus[{used_gpu}].memory_used_bytes / memory_total_bytes", used, bar(enter, cfg.used_enter, cfg.used_exit), None))
             if failures is not None:
                 evidence.append(ev("cuda_alloc_failures_total (increase)", failures, 0.0, w))
             if ooms is not None:
@@ -218,7 +218,8 @@ class GpuIdleWithQueue(Rule[GpuIdleWithQueueConfig]):
                 continue
             util = max(utils)
             queued = waiting[1] > cfg.min_waiting
-            evidence = [ev(waiting[0], waiting[1], cfg.min_waiting, cfg.for_seconds), ev("gpu_utilization (max of its GPUs)", util, cfg.util_enter, cfg.for_seconds)]
+            evidence = [ev(waiting[0], waiting[1], cfg.min_waiting, cfg.for_seconds),
+                        ev("gpu_utilization (max of its GPUs)", util, bar(util < cfg.util_enter, cfg.util_enter, cfg.util_exit), cfg.for_seconds)]
             summary = f"{waiting[1]:g} requests waiting while its GPUs run at {util:.0%}"
             yield b, "", self.finding(queued and util < cfg.util_enter, queued and util < cfg.util_exit, Severity.WARNING, summary, evidence, 0.8)
 
@@ -271,5 +272,5 @@ class IoBlocking(Rule[IoBlockingConfig]):
         if psi is None:
             yield HOST, "", None
         else:
-            evidence = [ev("psi_io_full_avg10", psi, cfg.psi_io_full_enter, 10.0)]
+            evidence = [ev("psi_io_full_avg10", psi, bar(psi >= cfg.psi_io_full_enter, cfg.psi_io_full_enter, cfg.psi_io_full_exit), 10.0)]
             yield HOST, "", self.finding(psi >= cfg.psi_io_full_enter, psi >= cfg.psi_io_full_exit, Severity.WARNING, f"all tasks stalled on IO {psi:.0%} of the time (PSI io full)", evidence, 0.8)

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from llmdiag.analyzers.context import Context, number
 from llmdiag.analyzers.correlate import Event, coincide
-from llmdiag.analyzers.rules.base import Rule, Verdict, ev
+from llmdiag.analyzers.rules.base import Rule, Verdict, bar, ev
 from llmdiag.analyzers.windows import series_key
 from llmdiag.config.analyzers import (
     ClientTimeoutStormConfig,
@@ -96,7 +96,7 @@ class ClientTimeoutStorm(Rule[ClientTimeoutStormConfig]):
             stay = cancel_rate >= bar_exit and bool(slow)
             severity = Severity.CRITICAL if base and cancel_rate >= cfg.critical_factor * max(base, cfg.min_rate / cfg.rate_factor_enter) else Severity.WARNING
             evidence = [
-                ev("cancels per second (rst_stream CANCEL received + tcp_peer_closes)", cancel_rate, bar_enter, span),
+                ev("cancels per second (rst_stream CANCEL received + tcp_peer_closes)", cancel_rate, bar(enter, bar_enter, bar_exit), span),
                 ev("cancel rate baseline", base, "warming up" if base is None else None, ctx.config.baseline_seconds),
                 ev("ttft_seconds.ewma", ttft, ttft_bar, cfg.correlate_seconds),
                 ev("cancel ticks joined with high TTFT", float(len(joined)), 1.0, cfg.correlate_seconds),
@@ -128,9 +128,9 @@ class TimewaitExhaustion(Rule[TimewaitExhaustionConfig]):
             critical = (fraction is not None and fraction >= cfg.critical_fraction) or (eta is not None and eta < cfg.critical_eta_seconds)
             evidence = [ev(f"destinations[{dest}].timewait_sockets", tw, None, None)]
             if fraction is not None:
-                evidence.append(ev(f"destinations[{dest}] TIME_WAIT share of port range", fraction, cfg.fraction_enter, None))
+                evidence.append(ev(f"destinations[{dest}] TIME_WAIT share of port range", fraction, bar(enter, cfg.fraction_enter, cfg.fraction_exit), None))
             if eta is not None:
-                evidence.append(ev(f"destinations[{dest}].port_exhaustion_eta_seconds", eta, cfg.eta_enter_seconds, None))
+                evidence.append(ev(f"destinations[{dest}].port_exhaustion_eta_seconds", eta, bar(enter, cfg.eta_enter_seconds, cfg.eta_exit_seconds), None))
             rate = number(signals.get("timewait_entry_rate"))
             if rate is not None:
                 evidence.append(ev(f"destinations[{dest}].timewait_entry_rate", rate, None, None))
@@ -175,7 +175,7 @@ class ConnectionChurn(Rule[ConnectionChurnConfig]):
             enter = ratio is not None and ratio >= cfg.ratio_enter and tw_rate is not None and tw_rate >= cfg.tw_rate_enter
             stay = ratio is not None and ratio >= cfg.ratio_exit
             evidence = [
-                ev("connections closed per request", ratio, cfg.ratio_enter, span),
+                ev("connections closed per request", ratio, bar(enter, cfg.ratio_enter, cfg.ratio_exit), span),
                 ev("requests per second", requests, cfg.min_request_rate, span),
                 ev("TIME_WAIT entries per second", tw_rate, cfg.tw_rate_enter, span),
             ]
@@ -248,15 +248,17 @@ class NetworkDegradation(Rule[NetworkDegradationConfig]):
             enter = stay = False
             if ratio is not None:
                 ref = base_ratio if base_ratio is not None else cfg.retransmit_ratio_floor
-                bar = max(cfg.retransmit_ratio_floor, cfg.retransmit_factor_enter * ref)
-                enter |= ratio >= bar
-                stay |= ratio >= max(cfg.retransmit_ratio_floor, cfg.retransmit_factor_exit * ref)
-                evidence.append(ev("retransmits per send", ratio, bar, span))
+                bar_enter = max(cfg.retransmit_ratio_floor, cfg.retransmit_factor_enter * ref)
+                bar_exit = max(cfg.retransmit_ratio_floor, cfg.retransmit_factor_exit * ref)
+                enter |= ratio >= bar_enter
+                stay |= ratio >= bar_exit
+                evidence.append(ev("retransmits per send", ratio, bar(ratio >= bar_enter, bar_enter, bar_exit), span))
             if srtt is not None and base_srtt is not None:
-                bar = max(cfg.srtt_floor_seconds, cfg.srtt_factor_enter * base_srtt)
-                enter |= srtt >= bar
-                stay |= srtt >= max(cfg.srtt_floor_seconds, cfg.srtt_factor_exit * base_srtt)
-                evidence.append(ev("srtt_seconds", srtt, bar, None))
+                bar_enter = max(cfg.srtt_floor_seconds, cfg.srtt_factor_enter * base_srtt)
+                bar_exit = max(cfg.srtt_floor_seconds, cfg.srtt_factor_exit * base_srtt)
+                enter |= srtt >= bar_enter
+                stay |= srtt >= bar_exit
+                evidence.append(ev("srtt_seconds", srtt, bar(srtt >= bar_enter, bar_enter, bar_exit), None))
             parts = []
             if ratio is not None:
                 parts.append(f"{ratio:.1%} of sends retransmitted")
@@ -280,5 +282,6 @@ class ConntrackPressure(Rule[ConntrackPressureConfig]):
             return
         usage = entries / limit
         severity = Severity.CRITICAL if usage >= cfg.critical_usage else Severity.WARNING
-        evidence = [ev("conntrack_entries / conntrack_max", usage, cfg.enter, None), ev("conntrack_entries", entries, cfg.enter * limit, None)]
+        level = bar(usage >= cfg.enter, cfg.enter, cfg.exit)
+        evidence = [ev("conntrack_entries / conntrack_max", usage, level, None), ev("conntrack_entries", entries, level * limit, None)]
         yield HOST, "", self.finding(usage >= cfg.enter, usage >= cfg.exit, severity, f"conntrack table {usage:.0%} full ({entries:g} of {limit:g})", evidence, 0.95)

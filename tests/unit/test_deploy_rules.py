@@ -24,7 +24,6 @@ from deploy_support import (
     SCRAPE_CONFIG,
     metric_names,
     rules,
-    used_metric_names,
 )
 
 PROMTOOL = shutil.which("promtool")
@@ -120,24 +119,3 @@ def test_metric_name_extraction():
     assert metric_names('max by (node) (llmdiag_backend_ttft_seconds{stat="p99", x="llmdiag_fake"}) '
                         "/ llmdiag:recorded:rule + rate(process_cpu_seconds_total[5m])") == {
         "llmdiag_backend_ttft_seconds", "process_cpu_seconds_total"}
-
-
-# The agreed /metrics names (the agent helper's prompt, "metrics.md"). Switched to the names of a
-# real running agent by tests/integration/test_deploy_prometheus.py once the agent is on main.
-AGREED_SAMPLE_NAMES = {
-    "llmdiag_backend_info", "llmdiag_backend_up", "llmdiag_backend_score", "llmdiag_backend_penalty",
-    "llmdiag_backend_weight_percent", "llmdiag_backend_state", "llmdiag_backend_requests_waiting",
-    "llmdiag_backend_requests_running", "llmdiag_backend_kv_cache_usage", "llmdiag_backend_ttft_seconds",
-    "llmdiag_backend_h2_rst_stream_total", "llmdiag_host_sockstat_tcp_tw", "llmdiag_destination_timewait_sockets",
-    "llmdiag_destination_port_exhaustion_eta_seconds", "llmdiag_gpu_utilization", "llmdiag_gpu_memory_used_bytes",
-    "llmdiag_gpu_xid_errors_total", "llmdiag_diagnosis_open", "llmdiag_diagnoses_opened_total", "llmdiag_collector_up",
-    "llmdiag_collector_status", "llmdiag_collector_errors_total", "llmdiag_tick_duration_seconds_bucket",
-    "llmdiag_last_tick_timestamp_seconds", "llmdiag_ticks_total", "llmdiag_ticks_missed_total",
-    "process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds",
-}
-
-
-def test_rules_and_dashboard_use_only_agreed_metric_names():
-    used = used_metric_names()
-    unknown = {name: sorted(where) for name, where in used.items() if name not in AGREED_SAMPLE_NAMES}
-    assert not unknown, unknown

@@ -1,0 +1,1 @@
+"""``llmdiag top``: the interactive diagnosis TUI (Textual). See :mod:`llmdiag.cli.tui.app`."""
