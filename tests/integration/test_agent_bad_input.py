@@ -138,16 +138,16 @@ def test_bad_engines_and_bad_clients_never_stop_the_agent(tmp_path: Path, bad_en
             assert metric_value(metrics, "llmdiag_collector_status", collector="engine", status="degraded") == 1
 
             # --- the agent-check port ---------------------------------------------------------
-            assert agent_check(port, f"llm/{good_name}\n".encode()).startswith("up ready ")
-            assert agent_check(port, good_name.encode() + b"\n").startswith("up ready ")
-            assert agent_check(port, b"llm/no-such-server\n") == "up ready 100%\n"  # unknown: fail open
-            assert agent_check(port, b"\xff\xfe\x00garbage\x01\n") == "up ready 100%\n"
-            assert agent_check(port, b"x" * 100_000 + b"\n") == "up ready 100%\n"  # over-long line
+            assert agent_check(port, f"llm/{good_name}\n".encode()).startswith("ready up ")
+            assert agent_check(port, good_name.encode() + b"\n").startswith("ready up ")
+            assert agent_check(port, b"llm/no-such-server\n") == "ready up 100%\n"  # unknown: fail open
+            assert agent_check(port, b"\xff\xfe\x00garbage\x01\n") == "ready up 100%\n"
+            assert agent_check(port, b"x" * 100_000 + b"\n") == "ready up 100%\n"  # over-long line
             started = time.monotonic()
             with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:  # sends nothing
                 slow.sendall(b"llm/vll")
                 reply = slow.recv(100).decode()
-            assert reply == "up ready 100%\n" and time.monotonic() - started < 5  # answered at the read timeout
+            assert reply == "ready up 100%\n" and time.monotonic() - started < 5  # answered at the read timeout
 
             # A flood: far more connections than the cap, all held open and silent.
             flood = []
@@ -164,7 +164,7 @@ def test_bad_engines_and_bad_clients_never_stop_the_agent(tmp_path: Path, bad_en
                 for s in flood:
                     s.close()
             wait_for("the agent-check port to answer after the flood",
-                     lambda: agent_check(port, f"llm/{good_name}\n".encode()).startswith("up ready "), 10, 0.2)
+                     lambda: agent_check(port, f"llm/{good_name}\n".encode()).startswith("ready up "), 10, 0.2)
             metrics = agent.metrics()
             for result in ("ok", "unknown", "bad_request", "too_long", "timeout", "rejected"):
                 assert (metric_value(metrics, "llmdiag_agent_check_requests_total", result=result) or 0) >= 1, result

@@ -31,7 +31,7 @@ def test_the_command_line_as_typed_with_every_collector(tmp_path: Path) -> None:
             assert state["collectors"]["engine"]["status"] == "ok"
             assert agent.check_port is not None
             reply = agent_check(agent.check_port, urls[0].removeprefix("http://").encode() + b"\n")
-            assert reply.startswith("up ready ") and reply.endswith("%\n"), reply
+            assert reply.startswith("ready up ") and reply.endswith("%\n"), reply
             assert "agent-check 127.0.0.1:" in agent.log()
         finally:
             code, log, took = agent.stop()
