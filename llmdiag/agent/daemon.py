@@ -84,6 +84,7 @@ class Agent:
         self._opened: dict[tuple[str, str], int] = {}
         self._started = time.monotonic()
         self._last_tick_mono: float | None = None
+        self._built_mono: float | None = None
         self._stop = threading.Event()
         self._async_stop: asyncio.Event | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
@@ -111,10 +112,15 @@ class Agent:
         now = time.monotonic()
         last = self._last_tick_mono
         if last is None:
-            waited = now - self._started
-            if waited <= STARTUP_GRACE_SECONDS:
-                return True, f"starting: building collectors ({waited:.0f} s)"
-            return False, f"tick loop stuck: no tick {waited:.0f} s after start"
+            built = self._built_mono
+            if built is None:  # compiling BPF programs takes seconds: a grace period, then stuck
+                waited = now - self._started
+                if waited <= STARTUP_GRACE_SECONDS:
+                    return True, f"starting: building collectors ({waited:.0f} s)"
+                return False, f"tick loop stuck: collectors still building {waited:.0f} s after start"
+            if now - built > stale:
+                return False, f"tick loop stuck: the first tick has not finished {now - built:.1f} s after the collectors started"
+            return True, "starting: first tick"
         age = now - last
         if age > stale:
             return False, f"tick loop stuck: last tick {age:.1f} s ago (limit {stale:g} s)"
@@ -155,6 +161,7 @@ class Agent:
             self._wake_async()
             return
         self._collectors = collectors
+        self._built_mono = time.monotonic()
         interval = self.config.agent.interval_seconds
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmdiag-discovery")
         self._collect_pool = concurrent.futures.ThreadPoolExecutor(max(1, len(collectors)),

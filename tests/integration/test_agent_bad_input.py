@@ -245,3 +245,43 @@ def test_bpf_unavailable_when_not_root(tmp_path: Path) -> None:
         finally:
             code, log, took = agent.stop()
         assert code == 0 and took < 5, log
+
+
+def test_a_stuck_tick_loop_is_reported_by_healthz(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collector that blocks: /healthz turns 503 with the reason, /v1/state still answers."""
+    release = threading.Event()
+
+    class Stuck:
+        name = "stuck"
+
+        def collect(self, now: float) -> list:
+            release.wait(20)  # a read that never returns (until the test lets it go)
+            return []
+
+        def status(self) -> CollectorStatus:
+            return CollectorStatus(CollectorState.OK)
+
+        def close(self) -> None:
+            release.set()
+
+    monkeypatch.setitem(wiring.COLLECTOR_FACTORIES, "stuck", lambda config, backends: Stuck())
+    config = Config.from_toml('[agent]\ninterval_seconds = 0.1\nhealthz_stale_seconds = 0.5\nlisten_port = 0\n'
+                              'discover = false\ncollectors = ["stuck"]\nprobes = false\n')
+    agent = Agent(config)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(asyncio.run(agent.run())), daemon=True)
+    thread.start()
+    try:
+        wait_for("the HTTP server", lambda: agent.http_address, 10)
+        url = f"http://127.0.0.1:{agent.http_address[1]}"  # type: ignore[index]
+        status, body = wait_for("/healthz to say the tick loop is stuck",
+                                lambda: (r := http(url + "/healthz"))[0] == 503 and r, 10, 0.1)
+        assert b"tick loop stuck" in body, body
+        assert http(url + "/v1/state")[0] == 200  # the HTTP side never waits on the tick thread
+        release.set()
+        wait_for("/healthz to recover", lambda: http(url + "/healthz")[0] == 200, 10, 0.1)
+    finally:
+        release.set()
+        agent.stop()
+        thread.join(10)
+    assert result == [0]

@@ -20,7 +20,12 @@ def test_healthz_says_why() -> None:
     assert ok and why.startswith("starting")
     agent._started -= STARTUP_GRACE_SECONDS + 1  # as if the collectors had been building for too long
     ok, why = agent.health()
-    assert not ok and "no tick" in why
+    assert not ok and "still building" in why
+    agent._built_mono = time.monotonic() - 0.1
+    assert agent.health() == (True, "starting: first tick")
+    agent._built_mono = time.monotonic() - CONFIG.agent.stale_after_seconds - 1
+    ok, why = agent.health()
+    assert not ok and "first tick has not finished" in why
     agent._last_tick_mono = time.monotonic() - 0.5
     ok, why = agent.health()
     assert ok and why.startswith("ok: last tick")
