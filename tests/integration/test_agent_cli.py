@@ -139,3 +139,15 @@ probes = false
     finally:
         code, log, took = agent.stop()
     assert code == 0 and took < 5, log
+
+
+def test_a_config_a_collector_rejects_exits_64(tmp_path: Path) -> None:
+    """A bad input file for a collector ([gpu] replay_file) is the user's mistake: exit 64, named, no traceback."""
+    agent = AgentProcess([], tmp_path, agent_check=False,
+                         config=f'[agent]\ndiscover = false\ncollectors = ["gpu"]\n[gpu]\nreplay_file = "{tmp_path / "nope.jsonl"}"\n')
+    try:
+        code = agent.proc.wait(timeout=60)
+    finally:
+        _, log, _ = agent.stop()
+    assert code == 64, log
+    assert "nope.jsonl" in log and "Traceback" not in log, log
