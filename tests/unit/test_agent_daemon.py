@@ -65,3 +65,9 @@ def test_backend_changes_are_applied() -> None:
     agent._apply_backends(_resolved([restarted]))  # a new pid; b is kept though not found this time
     assert [(x.name, x.pid) for x in agent.backends] == [("a", 200), ("b", None)]
     assert agent.loop.balancer.state("a").value == "warming"
+
+
+def test_state_json_never_fails_on_a_non_finite_number() -> None:
+    from llmdiag.agent.http import _dumps
+
+    assert _dumps({"a": [1.0, float("inf")], "b": {"c": float("nan")}, "d": "x"}) == '{"a":[1.0,null],"b":{"c":null},"d":"x"}'
