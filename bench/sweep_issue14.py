@@ -12,6 +12,8 @@ issue 14), ``d4`` (d = 4 sampled even in small pools, as before issue 14) or
 shipped configuration. Results (P99 TTFT, goodput at the 2 s TTFT SLO) go to
 ``<out>.json`` after every cell, so a long run can be read while it goes, and
 a summary table (means over seeds, ratios per seed) to ``<out>.md``.
+``--report FILE.json...`` prints the issue 14 table of docs/benchmarks.md from
+finished runs.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tps8": {"tokens_per_slot": 8.0},
     "scan_tps8": {"choices": 0, "tokens_per_slot": 8.0},
     "d4": {"full_scan_up_to": 0},  # d = 4 sampled at every pool size, as before issue 14
+    "slowness1": {"prefill_slowness_exponent": 1.0},  # the measured slowness at face value, as before issue 14
 }
 SCENARIOS = ("slow_replica", "kv_bound", "crash_restart_kv")
 TRACES = ("azure2023_conv", "mooncake_synthetic")
@@ -51,6 +54,10 @@ def _split(value: str) -> list[str]:
 
 
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--report":
+        cells = [c for path in sys.argv[2:] for c in json.loads(Path(path).read_text())["cells"]]
+        print(report(cells), end="")
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--traces", default=",".join(TRACES))
@@ -58,7 +65,7 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=3600.0)
     parser.add_argument("--utilization", type=float, default=0.85)
     parser.add_argument("--policies", default=",".join(POLICIES), help="policies besides the llmdiag variants")
-    parser.add_argument("--variants", default="default,charge_all,d4", help=f"llmdiag variants ({', '.join(VARIANTS)})")
+    parser.add_argument("--variants", default="default,charge_all,d4,slowness1", help=f"llmdiag variants ({', '.join(VARIANTS)})")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "issue14"))
     args = parser.parse_args()
     variants = _split(args.variants)
@@ -113,6 +120,56 @@ def summary(cells: list[dict[str, Any]]) -> str:
             ratio = ", ".join(f"{c['results'][name]['ttft_p99'] / c['results']['oracle']['ttft_p99']:.2f}"
                               for c in cs if "oracle" in c["results"])
             lines.append(f"| {trace} | {scenario} | {name} | {statistics.mean(p99):.2f} | {statistics.mean(good):.3f} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+
+def report(cells: list[dict[str, Any]]) -> str:
+    """Issue 14's table: per trace and scenario, llmdiag against the oracle, the best peer and least_pending_prefill.
+
+    P99 TTFT (s) and goodput at the 2 s TTFT SLO (req/s) are means over the seeds; ratios are per seed
+    (min-max), so a reader sees whether a difference is larger than the seed-to-seed spread.
+    """
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for c in cells:
+        groups.setdefault((c["trace"], c["scenario"]), []).append(c)
+
+    def mean(cs: list[dict[str, Any]], name: str, key: str) -> float:
+        return statistics.mean(c["results"][name][key] for c in cs)
+
+    def ratios(cs: list[dict[str, Any]], a: str, b: str, key: str = "ttft_p99") -> str:
+        rs = [c["results"][a][key] / c["results"][b][key] for c in cs]
+        low, high = f"{min(rs):.2f}", f"{max(rs):.2f}"
+        return low if low == high else f"{low}-{high}"
+
+    lines = [
+        "| trace / scenario | llmdiag | no penalties | penalties charged whole | d 4 in small pools "
+        "| slowness exponent 1 | oracle "
+        "| least_pending_prefill | best peer (P99) | llmdiag / oracle P99 | best peer / llmdiag P99 "
+        "| lpp / llmdiag P99 | llmdiag / no penalties P99 | goodput llmdiag / oracle |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (trace, scenario), cs in sorted(groups.items()):
+        names = cs[0]["results"]
+        peers = [p for p in PEERS if p in names]
+        best = min(peers, key=lambda p: mean(cs, p, "ttft_p99")) if peers else None
+
+        def cell(name: str) -> str:
+            if name not in names:
+                return "-"
+            return f"{mean(cs, name, 'ttft_p99'):.2f} / {mean(cs, name, 'goodput_rps'):.3f}"
+
+        row = [
+            f"{trace} / {scenario}", cell("llmdiag"), cell("llmdiag_no_penalties"), cell("llmdiag[charge_all]"),
+            cell("llmdiag[d4]"), cell("llmdiag[slowness1]"), cell("oracle"), cell("least_pending_prefill"),
+            f"{cell(best)} {best}" if best else "-",
+            ratios(cs, "llmdiag", "oracle"),
+            ratios(cs, best, "llmdiag") if best else "-",
+            ratios(cs, "least_pending_prefill", "llmdiag") if "least_pending_prefill" in names else "-",
+            ratios(cs, "llmdiag", "llmdiag_no_penalties") if "llmdiag_no_penalties" in names else "-",
+            ratios(cs, "llmdiag", "oracle", "goodput_rps"),
+        ]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -42,7 +42,7 @@ def build_app(agent: Any, registry: CollectorRegistry, token: str | None) -> web
         if expected is not None and request.path != "/healthz":
             given = request.headers.get("Authorization", "").encode("utf-8", "replace")
             if not hmac.compare_digest(given, expected):
-                agent.count_http("unauthorized")
+                agent.count_unauthorized()
                 return web.Response(status=401, text="bearer token required\n",
                                     headers={"WWW-Authenticate": 'Bearer realm="llmdiag"'})
         return await handler(request)

@@ -423,7 +423,7 @@ class Balancer:
         return slot.view.value(self._clock())
 
     def load(self, backend: Backend | str) -> float:
-        """``pending_tokens * slowness / tokens_per_slot + in_flight`` (slowness 1 until measured)."""
+        """``pending_tokens * slowness ** prefill_slowness_exponent / tokens_per_slot + in_flight`` (slowness 1 until measured)."""
         slot = self._slots[backend if isinstance(backend, str) else backend.name]
         return slot.pending_tokens * slot.token_weight + slot.in_flight
 

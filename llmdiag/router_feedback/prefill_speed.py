@@ -5,7 +5,8 @@ work) the engine was busy with it; the ratio of the decayed sums of those busy
 seconds and of the drained prompt tokens is its effective prefill speed under
 its current decode load, queueing and throttling included. A backend's
 *slowness* is its seconds per token over the pool's mean, clamped to 0.1..10;
-it scales the backend's pending prompt tokens in the load (``Slot.token_weight``,
+``slowness ** prefill_slowness_exponent`` scales the backend's pending prompt
+tokens in the load (``Slot.token_weight``,
 see :func:`llmdiag.router_feedback.routing.chooser`).
 
 This is why a penalty for slowness from the node agent would count the same
@@ -33,6 +34,7 @@ class PrefillSpeed:
     def __init__(self, cfg: BalancerConfig) -> None:
         self.enabled = cfg.prefill_speed_alpha > 0.0
         self.inv_tokens_per_slot = 1.0 / cfg.tokens_per_slot
+        self._exponent = cfg.prefill_slowness_exponent
         self._keep = 1.0 - cfg.prefill_speed_alpha
         self._min_tokens = cfg.prefill_sample_min_tokens
         self._stale = cfg.prefill_speed_stale_seconds
@@ -73,15 +75,26 @@ class PrefillSpeed:
         else:
             slot.token_weight = self.token_weight(spt)
 
-    def token_weight(self, spt: float) -> float:
-        """Load units per pending prompt token for a backend measured at ``spt`` seconds per token (0 = unmeasured)."""
+    def _slowness(self, spt: float) -> float:
         mean = self._spt_sum / self._spt_count if self._spt_count else 0.0
         slowness = spt / mean if spt > 0 and mean > 0 else 1.0
-        return min(10.0, max(0.1, slowness)) * self.inv_tokens_per_slot
+        return min(10.0, max(0.1, slowness))
+
+    def token_weight(self, spt: float) -> float:
+        """Load units per pending prompt token for a backend measured at ``spt`` seconds per token (0 = unmeasured).
+
+        ``slowness ** prefill_slowness_exponent / tokens_per_slot``: the
+        measurement counts queueing as busy time, so it overstates how slow a
+        throttled backend is; the exponent (0.5) damps it (issue 14 point 3).
+        """
+        slowness = self._slowness(spt)
+        if self._exponent != 1.0:
+            slowness **= self._exponent
+        return slowness * self.inv_tokens_per_slot
 
     def slowness(self, slot: Slot) -> float:
-        """The backend's measured prefill seconds per token over the pool's mean (1.0 until measured)."""
-        return slot.token_weight / self.inv_tokens_per_slot
+        """The backend's measured prefill seconds per token over the pool's mean, clamped to 0.1..10 (1.0 until measured)."""
+        return self._slowness(slot.seconds_per_token)
 
     def refresh(self, slots: Iterable[Slot], now: float) -> None:
         """Once a second (O(n)): forget stale estimates and re-weigh every backend against the mean.

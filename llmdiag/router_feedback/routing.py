@@ -113,7 +113,8 @@ def chooser(d: int, with_replacement: bool, in_flight_penalty: float, scan_up_to
 
         effective    = score / (1 + in_flight_penalty * load)
         load         = (pending_tokens + tokens) * token_weight + in_flight
-        token_weight = clamp(measured prefill slowness, 0.1, 10) / tokens_per_slot   (slowness 1 until measured)
+        token_weight = clamp(measured prefill slowness, 0.1, 10) ** prefill_slowness_exponent / tokens_per_slot
+                       (slowness 1 until measured; exponent 0.5)
 
     ``score`` is the backend's health score as its :class:`ScoreView` gives it
     now (warm-up ramp and penalty included). The local load term is in every

@@ -13,7 +13,7 @@ severities and penalties are the product's own (issue 14 point 4).
 What goes into the snapshot (only what a real agent sees on the node):
 
 - engine ``/metrics``: ``up`` (0 while the process is down: nothing answers the
-  scrape), ``kv_cache_usage``, ``requests_waiting``, ``requests_running``,
+  scrape, ``scrape_failure{reason="connection_refused"}``), ``kv_cache_usage``, ``requests_waiting``, ``requests_running``,
   ``preemptions_total`` and ``ttft_seconds`` (an EWMA of the engine's first
   token times, as the engine collector derives it from the histogram);
 - NVML, one GPU per engine (``Backend.gpus``): ``gpu_utilization`` (1 while
@@ -39,6 +39,7 @@ __all__ = ["NodeAgentModel"]
 TTFT_ALPHA = 0.2
 _THROTTLED = Labelled({"reason=sw_thermal_slowdown": 1.0})
 _NOT_THROTTLED = Labelled({})
+_REFUSED = Labelled({"reason=connection_refused": 1.0})
 
 
 class NodeAgentModel:
@@ -79,7 +80,8 @@ class NodeAgentModel:
         gpus = {}
         for i, (name, eng) in enumerate(zip(self.names, self.engines)):
             if eng.down:
-                backends[name] = {"up": 0.0, "tcp_peer_closes_total": float(self._cancels[i])}
+                # What the engine collector reports for a port nothing listens on.
+                backends[name] = {"up": 0.0, "scrape_failure": _REFUSED, "tcp_peer_closes_total": float(self._cancels[i])}
                 gpus[str(i)] = {"gpu_utilization": 0.0, "throttle_reasons": _NOT_THROTTLED}
                 continue
             running = len(eng.running)

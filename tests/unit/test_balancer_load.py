@@ -27,7 +27,7 @@ def drain(balancer: Balancer, clock: VirtualClock, name: str, others: list[str],
 
 
 def test_measured_prefill_speed_scales_pending_tokens() -> None:
-    cfg = BalancerConfig(tokens_per_slot=256, prefill_sample_min_tokens=2048)
+    cfg = BalancerConfig(tokens_per_slot=256, prefill_sample_min_tokens=2048, prefill_slowness_exponent=1.0)
     balancer, clock = make(2, config=cfg, rng=random.Random(1))
     for _ in range(20):
         drain(balancer, clock, "b0", ["b1"], [3000, 3000, 3000], 100e-6)  # 100 us per token
@@ -46,7 +46,7 @@ def test_measured_prefill_speed_scales_pending_tokens() -> None:
 
 
 def test_slow_backend_gets_a_smaller_share_of_a_burst() -> None:
-    cfg = BalancerConfig(tokens_per_slot=256, prefill_sample_min_tokens=0)
+    cfg = BalancerConfig(tokens_per_slot=256, prefill_sample_min_tokens=0, prefill_slowness_exponent=1.0)
     balancer, clock = make(2, config=cfg, rng=random.Random(2))
     for _ in range(10):
         drain(balancer, clock, "b0", ["b1"], [2000, 2000], 100e-6)
@@ -54,6 +54,25 @@ def test_slow_backend_gets_a_smaller_share_of_a_burst() -> None:
     picks = [balancer.pick("m", 2000).name for _ in range(40)]
     # Equal work per prompt: the split follows the speeds (3:1), not the counts (1:1).
     assert picks.count("b0") == pytest.approx(30, abs=2)
+
+
+def test_the_default_exponent_damps_the_measured_slowness() -> None:
+    # Same measurement as above (2.5x slower), default prefill_slowness_exponent 0.5: the slower backend's
+    # pending tokens weigh sqrt of its slowness ratio, 2.5 ** 0.5 = 1.58x (issue 14 point 3).
+    cfg = BalancerConfig(tokens_per_slot=256, prefill_sample_min_tokens=2048)
+    assert cfg.prefill_slowness_exponent == 0.5
+    balancer, clock = make(2, config=cfg, rng=random.Random(1))
+    for _ in range(20):
+        drain(balancer, clock, "b0", ["b1"], [3000, 3000, 3000], 100e-6)
+        drain(balancer, clock, "b1", ["b0"], [3000, 3000, 3000], 250e-6)
+    slow0, slow1 = balancer.prefill_slowness("b0"), balancer.prefill_slowness("b1")
+    assert slow1 / slow0 == pytest.approx(2.5, rel=0.05)  # the reading is the measurement itself
+    balancer.pick("m", 4000, exclude=["b1"])
+    balancer.pick("m", 4000, exclude=["b0"])
+    ratio = (balancer.load("b1") - 1) / (balancer.load("b0") - 1)
+    assert ratio == pytest.approx((slow1 / slow0) ** 0.5, rel=0.01)
+    with pytest.raises(ValueError, match="prefill_slowness_exponent"):
+        BalancerConfig(prefill_slowness_exponent=1.5)
 
 
 def test_idle_time_between_bursts_is_not_prefill_time() -> None:

@@ -107,3 +107,15 @@ def test_what_the_snapshot_holds() -> None:
     assert snap.gpus["0"]["gpu_utilization"] == 1.0
     # A crashed engine answers no scrape: up 0, no engine metrics (the catalog's backend_down reads this).
     assert b1["up"] == 0.0 and "kv_cache_usage" not in b1
+
+
+def test_a_crashed_engine_is_reported_down_by_the_real_catalog() -> None:
+    es = engines(2)
+    agent = NodeAgentModel(es)
+    es[1].crash(0.0)
+    run(agent, 0.0, 3.0)
+    penalty, names = last(agent, 1)
+    assert names == ["backend_down"] and penalty == pytest.approx(DEFAULTS.backend_down.critical_penalty)
+    assert "refuses connections" in agent.last[1][1][0].summary
+    assert last(agent, 0) == (0.0, [])
+
