@@ -42,7 +42,7 @@ from llmdiag.agent.loop import AgentLoop, AgentState
 from llmdiag.agent.probes import AgentProber
 from llmdiag.agent.wiring import COLLECTOR_FACTORIES, build_collectors, resolve_backends
 from llmdiag.agent.ticker import collect_concurrently
-from llmdiag.collectors.base import GuardedCollector
+from llmdiag.collectors.base import CollectorUsageError, GuardedCollector
 from llmdiag.collectors.kube import PodMetadataReader
 from llmdiag.config import Config
 from llmdiag.config.agent import split_address
@@ -55,6 +55,8 @@ log = logging.getLogger("llmdiag.agent")
 
 #: Seconds the agent may take to build its collectors (BPF compiles) before /healthz says it is stuck.
 STARTUP_GRACE_SECONDS = 120.0
+#: Exit status for a usage mistake (sysexits EX_USAGE), as the command line uses it.
+EX_USAGE = 64
 #: SIGTERM to exit, at most (SPEC: within 5 s); the tick thread gets what is left after the listeners.
 SHUTDOWN_SECONDS = 4.5
 
@@ -78,12 +80,15 @@ class Agent:
         self.agent_check = AgentCheckServer(config.agent, self._entries) if config.agent.agent_check_listen else None
         self.prober: AgentProber | None = None
         self.fatal: str | None = None
+        #: The fatal error was the user's input (a config value a collector rejects): exit 64.
+        self.usage_error = False
         self.http_address: tuple[str, int] | None = None
         self.agent_check_address: tuple[str, int] | None = None
         self._telemetry = AgentTelemetry(backends=self._backend_info())
         self._opened: dict[tuple[str, str], int] = {}
         self._started = time.monotonic()
         self._last_tick_mono: float | None = None
+        self._built_mono: float | None = None
         self._stop = threading.Event()
         self._async_stop: asyncio.Event | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
@@ -111,10 +116,15 @@ class Agent:
         now = time.monotonic()
         last = self._last_tick_mono
         if last is None:
-            waited = now - self._started
-            if waited <= STARTUP_GRACE_SECONDS:
-                return True, f"starting: building collectors ({waited:.0f} s)"
-            return False, f"tick loop stuck: no tick {waited:.0f} s after start"
+            built = self._built_mono
+            if built is None:  # compiling BPF programs takes seconds: a grace period, then stuck
+                waited = now - self._started
+                if waited <= STARTUP_GRACE_SECONDS:
+                    return True, f"starting: building collectors ({waited:.0f} s)"
+                return False, f"tick loop stuck: collectors still building {waited:.0f} s after start"
+            if now - built > stale:
+                return False, f"tick loop stuck: the first tick has not finished {now - built:.1f} s after the collectors started"
+            return True, "starting: first tick"
         age = now - last
         if age > stale:
             return False, f"tick loop stuck: last tick {age:.1f} s ago (limit {stale:g} s)"
@@ -149,12 +159,14 @@ class Agent:
         try:
             collectors, unavailable = build_collectors(self.config, self.backends)
         except BaseException as exc:  # noqa: BLE001 - reported by /healthz and the exit status
+            self.usage_error = isinstance(exc, CollectorUsageError)
             self.fatal = f"collectors failed to start: {type(exc).__name__}: {exc}"
             log.error("%s", self.fatal)
             self.collectors_closed.set()
             self._wake_async()
             return
         self._collectors = collectors
+        self._built_mono = time.monotonic()
         interval = self.config.agent.interval_seconds
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmdiag-discovery")
         self._collect_pool = concurrent.futures.ThreadPoolExecutor(max(1, len(collectors)),
@@ -322,7 +334,7 @@ class Agent:
         finally:
             await self._shutdown()
         if self.fatal:
-            return 1
+            return EX_USAGE if self.usage_error else 1
         return 130 if interrupted and interrupted[0] == signal.SIGINT else 0
 
     def _on_signal(self, signum: int, interrupted: list[int]) -> None:

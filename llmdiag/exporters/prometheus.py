@@ -287,6 +287,6 @@ class StateCollector(Collector):
             req.add_metric([result], n)
         yield req
         yield CounterMetricFamily("llmdiag_agent_check_unknown_server", "Agent-check requests naming no known backend "
-                                  "(answered up ready 100%)", value=tel.agent_check_unknown_server_total)
+                                  "(answered ready up 100%)", value=tel.agent_check_unknown_server_total)
         yield CounterMetricFamily("llmdiag_http_unauthorized", "HTTP requests refused for a missing or wrong bearer token",
                                   value=tel.http_unauthorized_total)

@@ -20,7 +20,12 @@ def test_healthz_says_why() -> None:
     assert ok and why.startswith("starting")
     agent._started -= STARTUP_GRACE_SECONDS + 1  # as if the collectors had been building for too long
     ok, why = agent.health()
-    assert not ok and "no tick" in why
+    assert not ok and "still building" in why
+    agent._built_mono = time.monotonic() - 0.1
+    assert agent.health() == (True, "starting: first tick")
+    agent._built_mono = time.monotonic() - CONFIG.agent.stale_after_seconds - 1
+    ok, why = agent.health()
+    assert not ok and "first tick has not finished" in why
     agent._last_tick_mono = time.monotonic() - 0.5
     ok, why = agent.health()
     assert ok and why.startswith("ok: last tick")
@@ -60,3 +65,9 @@ def test_backend_changes_are_applied() -> None:
     agent._apply_backends(_resolved([restarted]))  # a new pid; b is kept though not found this time
     assert [(x.name, x.pid) for x in agent.backends] == [("a", 200), ("b", None)]
     assert agent.loop.balancer.state("a").value == "warming"
+
+
+def test_state_json_never_fails_on_a_non_finite_number() -> None:
+    from llmdiag.agent.http import _dumps
+
+    assert _dumps({"a": [1.0, float("inf")], "b": {"c": float("nan")}, "d": "x"}) == '{"a":[1.0,null],"b":{"c":null},"d":"x"}'
