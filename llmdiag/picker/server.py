@@ -168,4 +168,7 @@ class PickerServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "backends": [b.name for b in self.service.balancer.backends]})
+        # Alive but with an empty pool (nothing configured or resolved yet) every request gets 503: say so.
+        names = [b.name for b in self.service.balancer.backends]
+        return web.json_response({"status": "ok" if names else "no_backends", "backends": names},
+                                 status=200 if names else 503)

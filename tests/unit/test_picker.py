@@ -416,3 +416,30 @@ def test_the_documented_bootstrap_is_the_tested_one():
     block = re.search(r"```yaml\n(.*?)```", doc, re.S)
     assert block is not None
     assert yaml.safe_load(block.group(1)) == envoy_bootstrap("picker", 8080, 9901, picker_address="127.0.0.1:9002")
+
+
+def test_healthz_says_when_the_pool_is_empty():
+    from llmdiag.picker.discovery import DnsBackends
+    from llmdiag.picker.server import PickerServer
+
+    async def resolve(host: str, port: int) -> list[str]:
+        return []
+
+    async def go():
+        import aiohttp
+
+        service = EndpointPickerService(Balancer([]), PickerConfig(probes=False))
+        server = PickerServer(service, "127.0.0.1:0", "127.0.0.1:0", discovery=DnsBackends("pool:8000", resolve=resolve))
+        await server.start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"http://127.0.0.1:{server.metrics_port}/healthz") as resp:
+                    assert resp.status == 503 and (await resp.json())["status"] == "no_backends"
+            service.set_backends([A])
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"http://127.0.0.1:{server.metrics_port}/healthz") as resp:
+                    assert resp.status == 200 and (await resp.json())["backends"] == ["a"]
+        finally:
+            await server.stop()
+
+    asyncio.run(go())
