@@ -28,6 +28,13 @@ error. Malformed content is logged once per file and makes the collector
 local process (no pid), a process whose files this user may not read (another
 user's engine without root or ``CAP_SYS_PTRACE``), or no host signal at all:
 the status says which, never ``ok`` over an empty result.
+
+Two reads run on a slower cadence (``[proc]``): the D-state thread scan every
+``dstate_every_ticks`` ticks (one read per thread) and ``smaps_rollup`` every
+``smaps_rollup_every_ticks`` (the kernel walks every mapping to answer). In
+between, their signals repeat the last reading of the same pid, and so do
+the malformed-file reasons they found; a new pid (an engine restart) is read
+at once.
 """
 
 from __future__ import annotations
@@ -160,12 +167,19 @@ class ProcCollector:
         dstate_threads: bool = True,
         max_threads_per_process: int = 512,
         clock_ticks: int | None = None,
+        dstate_every_ticks: int = 1,
+        smaps_rollup_every_ticks: int = 1,
     ) -> None:
         self.backends = list(backends)
         self.proc_root = str(proc_root)
         self.dstate_threads = dstate_threads
         self.max_threads_per_process = max_threads_per_process
         self.clock_ticks = clock_ticks or os.sysconf("SC_CLK_TCK")
+        self.dstate_every_ticks = max(1, dstate_every_ticks)
+        self.smaps_rollup_every_ticks = max(1, smaps_rollup_every_ticks)
+        self._tick = 0
+        # (pid, "dstate" | "smaps_rollup") -> (tick read, signals, malformed reasons) of the last read.
+        self._slow: dict[tuple[int, str], tuple[int, dict[str, Any], dict[str, str]]] = {}
         self.gone: dict[str, int] = {}  # backend name -> pid that vanished in the last tick
         self._malformed: dict[str, str] = {}  # path -> why, for this tick
         self._nothing: list[str] = []  # what this tick could not find, for the status
@@ -182,6 +196,10 @@ class ProcCollector:
     def collect(self, now: float) -> list[Sample]:
         self._malformed = {}
         self.gone = {}
+        self._tick += 1
+        pids = {b.pid for b in self.backends if b.pid is not None}
+        for key in [k for k in self._slow if k[0] not in pids]:
+            del self._slow[key]  # a restarted or removed backend's old pid
         nothing: list[str] = []
         host = self.host_signals()
         if not host:
@@ -272,18 +290,7 @@ class ProcCollector:
             except Malformed as exc:
                 self._note_malformed(f"{base}/status", str(exc))
 
-        # smaps_rollup (Linux 4.14+). Rss - Anonymous = file-backed resident
-        # pages (mmap'd weights, libraries; shmem/tmpfs counts as file-backed too).
-        rollup = self._proc_file(base, "smaps_rollup")
-        if rollup is not None:
-            try:
-                kib = _kib_fields(rollup, {b"Rss", b"Anonymous", b"Swap"})
-                if b"Rss" in kib and b"Anonymous" in kib:
-                    out["mapped_file_bytes"] = kib[b"Rss"] - kib[b"Anonymous"]
-                if b"Swap" in kib:
-                    out["swap_bytes"] = kib[b"Swap"]
-            except Malformed as exc:
-                self._note_malformed(f"{base}/smaps_rollup", str(exc))
+        out.update(self._every(pid, "smaps_rollup", self.smaps_rollup_every_ticks, lambda: self._rollup(base)))
 
         try:
             out["open_fds"] = len(os.listdir(os.path.join(base, "fd")))
@@ -294,10 +301,42 @@ class ProcCollector:
             pass  # EACCES without CAP_SYS_PTRACE: absent
 
         if self.dstate_threads:
-            dstate = self._dstate_count(base)
-            if dstate is not None:
-                out["threads_dstate"] = dstate
+            out.update(self._every(pid, "dstate", self.dstate_every_ticks, lambda: self._dstate(base)))
         return out
+
+    def _every(self, pid: int, what: str, every: int, read: Any) -> dict[str, Any]:
+        """``read()``'s signals, read on the first tick of ``pid`` and then every ``every`` ticks;
+        in between, the last reading and the malformed files it found (so the status does not flip)."""
+        last = self._slow.get((pid, what))
+        if last is not None and self._tick - last[0] < every:
+            for path, why in last[2].items():
+                self._malformed[path] = why
+            return last[1]
+        before = dict(self._malformed)
+        signals = read()  # ProcessGone passes through: nothing is kept for a gone pid
+        found = {p: w for p, w in self._malformed.items() if before.get(p) != w}
+        self._slow[(pid, what)] = (self._tick, signals, found)
+        return signals
+
+    def _rollup(self, base: str) -> dict[str, Any]:
+        # smaps_rollup (Linux 4.14+). Rss - Anonymous = file-backed resident
+        # pages (mmap'd weights, libraries; shmem/tmpfs counts as file-backed too).
+        out: dict[str, Any] = {}
+        rollup = self._proc_file(base, "smaps_rollup")
+        if rollup is not None:
+            try:
+                kib = _kib_fields(rollup, {b"Rss", b"Anonymous", b"Swap"})
+                if b"Rss" in kib and b"Anonymous" in kib:
+                    out["mapped_file_bytes"] = kib[b"Rss"] - kib[b"Anonymous"]
+                if b"Swap" in kib:
+                    out["swap_bytes"] = kib[b"Swap"]
+            except Malformed as exc:
+                self._note_malformed(f"{base}/smaps_rollup", str(exc))
+        return out
+
+    def _dstate(self, base: str) -> dict[str, Any]:
+        dstate = self._dstate_count(base)
+        return {} if dstate is None else {"threads_dstate": dstate}
 
     def _dstate_count(self, base: str) -> int | None:
         task_dir = os.path.join(base, "task")
@@ -393,4 +432,6 @@ def build_proc_collector(config: Config, backends: list[Backend]) -> ProcCollect
         proc_root=c.proc_root,
         dstate_threads=c.dstate_threads,
         max_threads_per_process=c.max_threads_per_process,
+        dstate_every_ticks=c.dstate_every_ticks,
+        smaps_rollup_every_ticks=c.smaps_rollup_every_ticks,
     )

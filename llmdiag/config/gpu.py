@@ -37,9 +37,20 @@ class ProcConfig:
     #: At most this many threads (lowest tids first) are read per process and tick: each
     #: /proc/PID/task/TID/stat read costs ~10 us, so this bounds the tick on huge thread pools.
     max_threads_per_process: int = 512
+    #: The D-state thread scan runs every N ticks (1 = every tick); in between, ``threads_dstate``
+    #: repeats the last count. It costs one read per thread: every 2nd tick halves it on engines
+    #: with hundreds of threads, and two scans still stand behind the io_blocking rule's 3 s hold.
+    dstate_every_ticks: int = 2
+    #: /proc/PID/smaps_rollup (``mapped_file_bytes``, ``swap_bytes``) is read every N ticks and
+    #: repeated in between: the kernel walks every mapping of the process to answer (~1.6 ms for
+    #: a small Python process, more for an engine with GBs mapped), and no rule reads these signals.
+    smaps_rollup_every_ticks: int = 10
 
     def __post_init__(self) -> None:
         if not self.proc_root:
             raise ValueError("proc_root must not be empty")
+        for key in ("dstate_every_ticks", "smaps_rollup_every_ticks"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1 (1 = every tick), got {getattr(self, key)}")
         if self.max_threads_per_process < 1:
             raise ValueError(f"max_threads_per_process must be >= 1, got {self.max_threads_per_process}")

@@ -172,3 +172,43 @@ def test_thread_cap_reads_the_lowest_tids() -> None:
     assert snapshot(c.collect(1.0)).backends["vllm-0"]["threads_dstate"] == 1
     c = ProcCollector([backend("vllm-0", 4100)], proc_root=RECORDED, dstate_threads=False)
     assert "threads_dstate" not in snapshot(c.collect(1.0)).backends["vllm-0"]
+
+
+def _set_state(stat: Path, state: str) -> None:
+    head, _, tail = stat.read_text().rpartition(")")
+    stat.write_text(f"{head}) {state}{tail[2:]}")
+
+
+def test_slow_cadences_repeat_the_last_reading_between_reads(tmp_path: Path) -> None:
+    root = tmp_path / "proc"
+    shutil.copytree(RECORDED, root)
+    c = ProcCollector([backend("vllm-0", 4100)], proc_root=root, dstate_every_ticks=3, smaps_rollup_every_ticks=2)
+    first = snapshot(c.collect(1.0)).backends["vllm-0"]
+    assert first["threads_dstate"] == 2 and first["mapped_file_bytes"] == (1752 - 108) * 1024
+    _set_state(root / "4100/task/4113/stat", "D")  # a third thread blocks
+    rollup = root / "4100/smaps_rollup"
+    rollup.write_text(rollup.read_text().replace("Anonymous:           108 kB", "Anonymous:           208 kB"))
+    seen = [snapshot(c.collect(float(t))).backends["vllm-0"] for t in (2, 3, 4)]
+    # D-state scanned on ticks 1 and 4; smaps_rollup on ticks 1 and 3; the last reading in between.
+    assert [s["threads_dstate"] for s in seen] == [2, 2, 3]
+    assert [s["mapped_file_bytes"] // 1024 for s in seen] == [1752 - 108, 1752 - 208, 1752 - 208]
+    # Every tick by default when built directly, and a new pid is read at once.
+    assert snapshot(ProcCollector([backend("vllm-0", 4100)], proc_root=root).collect(1.0)).backends["vllm-0"]["threads_dstate"] == 3
+
+
+def test_slow_cadence_keeps_a_malformed_reason_between_reads(tmp_path: Path) -> None:
+    c = ProcCollector([backend("broken", 4200)], proc_root=MALFORMED, clock_ticks=100, smaps_rollup_every_ticks=5)
+    for t in range(3):
+        c.collect(float(t))
+        assert "4200/smaps_rollup" in c.status().reason
+
+
+def test_proc_cadence_config_defaults_and_checks() -> None:
+    c = COLLECTOR_FACTORIES["proc"](Config.from_toml(f'[proc]\nproc_root = "{RECORDED}"\n'), [])
+    assert (c.dstate_every_ticks, c.smaps_rollup_every_ticks) == (2, 10)
+    c = COLLECTOR_FACTORIES["proc"](Config.from_toml("[proc]\ndstate_every_ticks = 1\nsmaps_rollup_every_ticks = 3\n"), [])
+    assert (c.dstate_every_ticks, c.smaps_rollup_every_ticks) == (1, 3)
+    with pytest.raises(ValueError, match="dstate_every_ticks must be >= 1"):
+        Config.from_toml("[proc]\ndstate_every_ticks = 0\n")
+    with pytest.raises(ValueError, match="smaps_every"):
+        Config.from_toml("[proc]\nsmaps_every = 3\n")  # unknown keys stay errors
