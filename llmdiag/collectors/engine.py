@@ -59,7 +59,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from llmdiag.collectors.engine_names import AGGREGATION, Dialect, detect_dialect
-from llmdiag.collectors.engine_parse import EngineReading, ParsedScrape, parse_exposition, read_engines
+from llmdiag.collectors.engine_parse import EngineReading, ExpositionCache, ParsedScrape, parse_exposition, read_engines
 from llmdiag.collectors.histogram import CumulativeHistogram, HistogramDelta, counter_delta
 from llmdiag.collectors.http_fetch import PROMETHEUS_ACCEPT, FetchFunction, FetchResult, KeepAlivePool
 from llmdiag.config.engine import EngineConfig
@@ -205,6 +205,7 @@ class _BackendTracker:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.engines: dict[str, _EngineWindow] = {}
+        self.exposition = ExpositionCache()  # the last clean scrape's structure: skip re-parsing labels
         self.last_ok_clock: float | None = None
         self.dialect: Dialect | None = None
         self.resets_logged = 0
@@ -411,7 +412,7 @@ class EngineCollector:
         fetched_at = self._clock()
         if not result.ok:
             return result, None, fetched_at
-        return result, parse_exposition(result.body), fetched_at
+        return result, parse_exposition(result.body, self._trackers[backend.name].exposition), fetched_at
 
     def _down(self, tracker: _BackendTracker, reason: str, failure: str) -> BackendScrape:
         engine = tracker.dialect.engine if tracker.dialect else None

@@ -7,6 +7,14 @@ first, which halves the parse time of a real vLLM scrape). A malformed line does
 scrape: the bad lines are found one by one, reported with their line number,
 and the rest is parsed.
 
+Between two scrapes of one engine only the numbers change: the series, their
+labels and their order stay. Given an :class:`ExpositionCache` (one per
+backend), a scrape whose kept lines are the last clean scrape's lines with
+only the values changed reuses that parse's names and labels and converts
+the values alone (no label parsing, ~10x cheaper); any other difference (a
+new series, a timestamp, a comment, a value the parser would refuse) goes
+through the full parser again, so the result is the same either way.
+
 :func:`read_engines` applies a :class:`~llmdiag.collectors.engine_names.Dialect`
 and returns one :class:`EngineReading` per data-parallel engine: gauges,
 cumulative counters and cumulative histograms, still as the engine counts
@@ -34,7 +42,7 @@ from llmdiag.collectors.engine_names import (
 from llmdiag.collectors.histogram import CumulativeHistogram
 from llmdiag.model import label_key
 
-__all__ = ["EngineReading", "ParsedScrape", "parse_exposition", "read_engines"]
+__all__ = ["EngineReading", "ExpositionCache", "ParsedScrape", "parse_exposition", "read_engines"]
 
 #: Engine label value for engines that expose no data-parallel label.
 DEFAULT_ENGINE = "0"
@@ -85,20 +93,102 @@ def _keep(line: str) -> bool:
     return canonical_name(name) in WANTED
 
 
-def parse_exposition(text: str) -> ParsedScrape:
+class ExpositionCache:
+    """The structure of one engine's last clean scrape: its kept lines without their values,
+    and the canonical name and labels of each sample line, in order. One per backend."""
+
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        # (line shapes, (canonical name, labels) per sample line), swapped as one tuple: a late
+        # scrape of the same backend in another thread reads either the old or the new one.
+        self.state: tuple[tuple[str, ...], tuple[tuple[str, Labels], ...]] | None = None
+
+
+def _shape(line: str) -> tuple[str, str | None]:
+    """``(the line without its value, the value)``; comments (and lines we do not split) whole, value None."""
+    if line.startswith("#") or not line:
+        return line, None
+    brace = line.find("{")
+    end = line.rfind("}") + 1 if brace >= 0 else line.find(" ")
+    if end <= 0:
+        return line, None
+    rest = line[end:].split()
+    if len(rest) != 1:  # a timestamp, or nothing: the full parser decides
+        return line, None
+    return line[:end], rest[0]
+
+
+def _fast_values(kept: list[str], cache: ExpositionCache) -> dict[str, Series] | None:
+    """The series of ``kept`` from the cached structure, or None unless only values changed."""
+    state = cache.state
+    if state is None or len(kept) != len(state[0]):
+        return None
+    shapes, slots = state
+    series: dict[str, Series] = defaultdict(list)
+    n = 0
+    for line, want in zip(kept, shapes, strict=True):
+        shape, value = _shape(line)
+        if shape != want:
+            return None
+        if value is None:
+            continue
+        if "_" in value:  # float() takes "1_000"; the exposition parser does not
+            return None
+        try:
+            number = float(value)
+        except ValueError:
+            return None
+        name, labels = slots[n]
+        series[name].append((dict(labels), number))
+        n += 1
+    return dict(series) if n == len(slots) else None
+
+
+def _remember(kept: list[str], parsed: ParsedScrape, samples: list[tuple[str, Labels]], cache: ExpositionCache) -> None:
+    """Keep the structure of a clean full parse when its samples map one to one, in order, on its lines."""
+    shapes: list[str] = []
+    names: list[str] = []
+    for line in kept:
+        shape, value = _shape(line)
+        shapes.append(shape)
+        if value is not None:
+            names.append(line[: len(shape)].split("{", 1)[0].strip())
+        elif not line.startswith("#") and line:
+            cache.state = None  # a sample line we cannot split (timestamp...): no fast path
+            return
+    # The parser names an untyped-suffix counter sample ``x`` as ``x_total``: still the same line.
+    if len(names) != len(samples) or any(s not in (n, n + "_total") for n, (s, _) in zip(names, samples, strict=True)):
+        cache.state = None
+        return
+    cache.state = (tuple(shapes), tuple((canonical_name(s), dict(labels)) for s, labels in samples))
+
+
+def parse_exposition(text: str, cache: ExpositionCache | None = None) -> ParsedScrape:
     """Parse Prometheus text exposition (0.0.4, or OpenMetrics read as text).
 
     Never raises: unparsable lines become ``problems`` entries such as
-    ``"line 17: ..."`` and are left out.
+    ``"line 17: ..."`` and are left out. ``cache`` (one per engine) lets a scrape
+    that differs from the last clean one only in its values skip the label parsing.
     """
     all_lines = text.split("\n")
     kept = [(i, line) for i, line in enumerate(all_lines, 1) if _keep(line)]
     parsed = ParsedScrape(lines=len(all_lines))
+    kept_lines = [line for _, line in kept]
+    if cache is not None:
+        fast = _fast_values(kept_lines, cache)
+        if fast is not None:
+            parsed.series = fast
+            return parsed
     try:
-        _collect(parsed, "\n".join(line for _, line in kept) + "\n")
+        samples = _collect(parsed, "\n".join(kept_lines) + "\n")
+        if cache is not None:
+            _remember(kept_lines, parsed, samples, cache)
         return parsed
     except Exception:  # noqa: BLE001 - any parser failure: find the bad lines instead
         parsed.series.clear()
+        if cache is not None:
+            cache.state = None
     good: list[str] = []
     for lineno, line in kept:
         try:
@@ -116,12 +206,16 @@ def parse_exposition(text: str) -> ParsedScrape:
     return parsed
 
 
-def _collect(parsed: ParsedScrape, text: str) -> None:
+def _collect(parsed: ParsedScrape, text: str) -> list[tuple[str, Labels]]:
+    """Fill ``parsed.series``; returns ``(sample name, labels)`` in the parser's order."""
     series: dict[str, Series] = defaultdict(list)
+    order: list[tuple[str, Labels]] = []
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             series[canonical_name(sample.name)].append((sample.labels, float(sample.value)))
+            order.append((sample.name, sample.labels))
     parsed.series = dict(series)
+    return order
 
 
 @dataclass(slots=True)

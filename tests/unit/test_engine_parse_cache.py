@@ -1,0 +1,73 @@
+"""The exposition cache: a scrape that differs from the last clean one only in its values reuses the
+parsed names and labels, and gives exactly what the full parser gives, on every engine fixture."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from engine_http import FIXTURES, SHARED_ENGINES
+
+from llmdiag.collectors import engine_parse
+from llmdiag.collectors.engine_parse import ExpositionCache, parse_exposition
+
+SCRAPES = sorted([*FIXTURES.glob("*.prom"), *SHARED_ENGINES.glob("*")], key=lambda p: p.name)
+
+
+def new_values(text: str) -> str:
+    """Every sample's value changed (x3 + 1), names, labels and order kept."""
+    out = []
+    for line in text.split("\n"):
+        head, sep, value = line.rpartition(" ")
+        if line and not line.startswith("#") and sep:
+            try:
+                number = float(value)
+            except ValueError:
+                number = math.nan
+            if math.isfinite(number):
+                line = f"{head} {number * 3 + 1!r}"
+        out.append(line)
+    return "\n".join(out)
+
+
+def same(a: engine_parse.ParsedScrape, b: engine_parse.ParsedScrape) -> bool:
+    return a.series == b.series and a.problems == b.problems and a.lines == b.lines
+
+
+@pytest.mark.parametrize("path", SCRAPES, ids=lambda p: p.name)
+def test_changed_values_skip_the_parser_and_match_a_full_parse(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = path.read_text()
+    cache = ExpositionCache()
+    assert same(parse_exposition(text, cache), parse_exposition(text))
+    assert cache.state is not None, "a clean scrape without timestamps is remembered"
+    second = new_values(text)
+    expected = parse_exposition(second)
+    assert expected.series != parse_exposition(text).series  # the values did change
+
+    def no_parser(*_a: object, **_k: object) -> None:
+        raise AssertionError("the full parser ran on a scrape whose structure did not change")
+
+    monkeypatch.setattr(engine_parse, "text_string_to_metric_families", no_parser)
+    assert same(parse_exposition(second, cache), expected)
+
+
+def test_a_changed_structure_or_a_bad_value_goes_through_the_full_parser() -> None:
+    text = (FIXTURES / "sglang_documented_text0.0.4.prom").read_text()
+    cache = ExpositionCache()
+    parse_exposition(text, cache)
+    # A new series (another engine label appears): reparsed, and the new structure remembered.
+    line = next(ln for ln in text.split("\n") if ln.startswith("sglang:num_running_reqs"))
+    grown = text.replace(line, line + "\n" + line.replace("}", ',extra="1"}', 1))
+    assert same(parse_exposition(grown, cache), parse_exposition(grown))
+    assert cache.state is not None
+    assert len(cache.state[1]) == sum(len(rows) for rows in parse_exposition(grown).series.values())
+    # A value the exposition parser refuses ("1_0": Python's float() would take it): reported, not read.
+    head, _, _ = line.rpartition(" ")
+    bad = grown.replace(line + "\n", f"{head} 1_0\n", 1)
+    got = parse_exposition(bad, cache)
+    assert same(got, parse_exposition(bad)) and got.problems and "1_0" in got.problems[0]
+    assert cache.state is None  # a scrape with problems is not a structure to reuse
+    # A timestamp on a line: the full parser, every time.
+    stamped = text.replace(line, line + " 1700000000000", 1)
+    assert same(parse_exposition(stamped, cache), parse_exposition(stamped)) and cache.state is None
