@@ -6,6 +6,11 @@ bare ``inet_diag_msg`` (72 bytes) with no attributes; the parser still walks
 messages by ``nlmsg_len``. One dump per address family per tick, parsed with
 ``struct.unpack_from`` on the receive buffer (30k sockets in a few ms; see
 docs/benchmarks.md, "tcp").
+
+The kernel filters as much as it can: the state mask, and for :func:`dump_tcp`'s
+non-TIME_WAIT states an ``INET_DIAG_REQ_BYTECODE`` local-port range (what
+``ss -tan 'sport >= :a and sport <= :b'`` sends), so the server side of every
+connection on a busy host never crosses into Python.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["DestinationSockets", "SockDiagError", "TCP_STATES", "dump_tcp", "format_endpoint", "iter_tcp"]
+__all__ = ["DestinationSockets", "SockDiagError", "TCP_STATES", "dump_tcp", "format_endpoint", "iter_tcp", "local_port_filter"]
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -26,6 +31,10 @@ NLM_F_DUMP = 0x300
 NLMSG_ERROR = 2
 NLMSG_DONE = 3
 IPPROTO_TCP = 6
+INET_DIAG_REQ_BYTECODE = 1
+#: include/uapi/linux/inet_diag.h: op codes of the filter bytecode.
+INET_DIAG_BC_S_GE = 2
+INET_DIAG_BC_S_LE = 3
 
 #: include/net/tcp_states.h
 TCP_STATES = {
@@ -70,13 +79,31 @@ def format_endpoint(family: int, addr: bytes, port: int) -> str:
     return f"[{ip.compressed}]:{port}"
 
 
-def _request(family: int, states: int, seq: int) -> bytes:
+_BC_OP = struct.Struct("=BBH")  # inet_diag_bc_op: code, yes, no
+_NLATTR = struct.Struct("=HH")
+
+
+def local_port_filter(low: int, high: int) -> bytes:
+    """Bytecode keeping sockets whose local port is in ``[low, high]`` (as ``ss`` compiles it).
+
+    Each comparison is two ops (8 bytes): the op, then the port in the second op's ``no``.
+    ``yes`` steps to the next comparison; ``no`` jumps past the end (length + 4): reject.
+    """
+    ge = _BC_OP.pack(INET_DIAG_BC_S_GE, 8, 16 + 4) + _BC_OP.pack(0, 0, low)
+    le = _BC_OP.pack(INET_DIAG_BC_S_LE, 8, 8 + 4) + _BC_OP.pack(0, 0, high)
+    return ge + le
+
+
+def _request(family: int, states: int, seq: int, bytecode: bytes = b"") -> bytes:
     body = _REQ.pack(family, IPPROTO_TCP, 0, 0, states, b"\0" * 48)
+    if bytecode:
+        body += _NLATTR.pack(_NLATTR.size + len(bytecode), INET_DIAG_REQ_BYTECODE) + bytecode
     return _NLMSGHDR.pack(_NLMSGHDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
 
 
-def _dump(family: int, states: int) -> Iterator[tuple[int, bytes, int, int, int, int, bytes]]:
-    """Yield ``(state, dst_addr, dport, sport, family, expires_ms, src_addr)`` per socket of one family."""
+def _dump(family: int, states: int, bytecode: bytes = b"") -> Iterator[tuple[int, bytes, int, int, int, int, bytes]]:
+    """Yield ``(state, dst_addr, dport, sport, family, expires_ms, src_addr)`` per socket of one family
+    (and, with ``bytecode``, only the sockets the kernel's filter keeps)."""
     try:
         sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
     except OSError as exc:
@@ -84,7 +111,7 @@ def _dump(family: int, states: int) -> Iterator[tuple[int, bytes, int, int, int,
     with sock:
         sock.settimeout(5.0)
         seq = int.from_bytes(os.urandom(4), "little") or 1
-        sock.send(_request(family, states, seq))
+        sock.send(_request(family, states, seq, bytecode))
         unpack_hdr = _NLMSGHDR.unpack_from
         unpack_msg = _MSG.unpack_from
         while True:
@@ -142,26 +169,24 @@ def dump_tcp(
     ``(local port, remote port)`` (:mod:`llmdiag.collectors.own_sockets`): their
     sockets are left out, and so is the other end of such a connection when it is
     on this host too (same source and destination address: the engine's side of
-    a scrape over loopback or the host's own address)."""
+    a scrape over loopback or the host's own address).
+
+    Only TIME_WAIT sockets and sockets on an ``ephemeral`` local port count, so the
+    other states are dumped with a local-port filter in the kernel (and not at all
+    without ``ephemeral``): a destination appears when something of it counts."""
     mask = 0
     for name in states:
         mask |= 1 << TCP_STATES[name]
+    dumps = []
+    if mask & (1 << TIME_WAIT):
+        dumps.append((1 << TIME_WAIT, b""))
+    if mask & ~(1 << TIME_WAIT) and ephemeral is not None and len(ephemeral):
+        dumps.append((mask & ~(1 << TIME_WAIT), local_port_filter(ephemeral[0], ephemeral[-1])))
     young = TIMEWAIT_LEN_MS - recent_ms
     raw: dict[tuple[int, bytes, int], DestinationSockets] = {}
     for family in families:
-        for state, dst, dport, sport, fam, expires, src in _dump(family, mask):
-            if exclude and ((sport, dport) in exclude or (src == dst and (dport, sport) in exclude)):
-                continue
-            key = (fam, dst, dport)
-            entry = raw.get(key)
-            if entry is None:
-                entry = raw[key] = DestinationSockets()
-            if state == TIME_WAIT:
-                entry.timewait += 1
-                if expires > young:
-                    entry.timewait_recent += 1
-            elif ephemeral is not None and sport in ephemeral:
-                entry.other_ephemeral += 1
+        for state_mask, bytecode in dumps:
+            _count(raw, _dump(family, state_mask, bytecode), ephemeral, young, exclude)
     out: dict[str, DestinationSockets] = {}
     for (fam, dst, dport), entry in raw.items():
         name = format_endpoint(fam, dst, dport)
@@ -173,3 +198,26 @@ def dump_tcp(
             merged.timewait_recent += entry.timewait_recent
             merged.other_ephemeral += entry.other_ephemeral
     return out
+
+
+def _count(
+    raw: dict[tuple[int, bytes, int], DestinationSockets],
+    sockets: Iterator[tuple[int, bytes, int, int, int, int, bytes]],
+    ephemeral: range | None,
+    young: int,
+    exclude: frozenset[tuple[int, int]],
+) -> None:
+    """Add ``sockets`` of one dump to ``raw`` (per family, destination address and port)."""
+    for state, dst, dport, sport, fam, expires, src in sockets:
+        if exclude and ((sport, dport) in exclude or (src == dst and (dport, sport) in exclude)):
+            continue
+        key = (fam, dst, dport)
+        entry = raw.get(key)
+        if entry is None:
+            entry = raw[key] = DestinationSockets()
+        if state == TIME_WAIT:
+            entry.timewait += 1
+            if expires > young:
+                entry.timewait_recent += 1
+        elif ephemeral is not None and sport in ephemeral:
+            entry.other_ephemeral += 1
