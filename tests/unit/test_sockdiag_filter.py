@@ -18,7 +18,7 @@ def port_range() -> range:
 
 
 @contextmanager
-def connections(n: int) -> Iterator[tuple[socket.socket, list[socket.socket]]]:
+def connections(n: int) -> Iterator[tuple[socket.socket, list[socket.socket], list[socket.socket]]]:
     """A listener on a port below the ephemeral range and ``n`` accepted loopback connections."""
     with ExitStack() as stack:
         server = stack.enter_context(socket.socket())
@@ -31,12 +31,11 @@ def connections(n: int) -> Iterator[tuple[socket.socket, list[socket.socket]]]:
         else:
             pytest.skip("no free port below the ephemeral range")
         server.listen(n)
-        clients = []
+        clients, accepted = [], []
         for _ in range(n):
-            c = stack.enter_context(socket.create_connection(server.getsockname(), timeout=5))
-            stack.enter_context(server.accept()[0])
-            clients.append(c)
-        yield server, clients
+            clients.append(stack.enter_context(socket.create_connection(server.getsockname(), timeout=5)))
+            accepted.append(stack.enter_context(server.accept()[0]))
+        yield server, clients, accepted
 
 
 def endpoint(sock: socket.socket, peer: bool = False) -> str:
@@ -51,10 +50,10 @@ def test_the_bytecode_is_what_ss_compiles() -> None:
 
 def test_kernel_filter_counts_the_client_side_and_drops_the_server_side() -> None:
     ephemeral = port_range()
-    with connections(3) as (server, clients):
+    with connections(3) as (server, clients, _accepted):
         dest = endpoint(server)
         per_dest = dump_tcp(("ESTABLISHED", "TIME_WAIT"), families=(socket.AF_INET,), ephemeral=ephemeral)
-        assert per_dest[dest].other_ephemeral == 3 and per_dest[dest].timewait == 0
+        assert per_dest[dest].other_ephemeral == 3
         # The accepted (server) sides, local port below the range, never left the kernel.
         for c in clients:
             assert endpoint(c) not in per_dest
@@ -70,3 +69,29 @@ def test_kernel_filter_counts_the_client_side_and_drops_the_server_side() -> Non
             assert dest not in narrow or narrow[dest].other_ephemeral == 0
         # Without an ephemeral range the non-TIME_WAIT states count nothing, so they are not dumped.
         assert dest not in dump_tcp(("ESTABLISHED",), families=(socket.AF_INET,))
+
+
+def test_timewait_counts_ages_and_exclusions_read_from_the_raw_messages() -> None:
+    def count(**kw: object) -> tuple[int, int]:
+        entry = dump_tcp(("TIME_WAIT",), families=(socket.AF_INET,), **kw).get(dest)  # type: ignore[arg-type]
+        return (entry.timewait, entry.timewait_recent) if entry else (0, 0)
+
+    with connections(3) as (server, clients, accepted):
+        dest = endpoint(server)
+        before = count(recent_ms=10_000)  # an earlier run's TIME_WAIT towards the same port, if any
+        ports = [c.getsockname()[1] for c in clients]
+        for c in clients:
+            c.close()  # the client closes first: its side will hold TIME_WAIT towards dest...
+        for a in accepted:
+            a.close()  # ...once the server's FIN arrives
+        server_port = server.getsockname()[1]
+        fresh = count(recent_ms=10_000)
+        assert (fresh[0] - before[0], fresh[1] - before[1]) == (3, 3)  # timers near 60 s: entered < 10 s ago
+        assert count(recent_ms=0)[1] == 0  # no timer is above 60 s
+        mine = frozenset({(ports[0], server_port)})
+        assert count(exclude=mine)[0] == fresh[0] - 1
+        # The same from the full message parse, socket by socket.
+        mask = 1 << TCP_STATES["TIME_WAIT"]
+        ours = [s for s in sockdiag._dump(socket.AF_INET, mask) if s[3] in ports and s[2] == server_port]
+        assert sorted(s[3] for s in ours) == sorted(ports)
+        assert all(50_000 < s[5] <= 60_000 for s in ours)
