@@ -7,10 +7,13 @@ messages by ``nlmsg_len``. One dump per address family per tick, parsed with
 ``struct.unpack_from`` on the receive buffer (30k sockets in a few ms; see
 docs/benchmarks.md, "tcp").
 
-The kernel filters as much as it can: the state mask, and for :func:`dump_tcp`'s
-non-TIME_WAIT states an ``INET_DIAG_REQ_BYTECODE`` local-port range (what
-``ss -tan 'sport >= :a and sport <= :b'`` sends), so the server side of every
-connection on a busy host never crosses into Python.
+The kernel filters by state (the mask). Most of a dump's cost is the kernel
+walking its whole TCP hash table, once per request: :func:`dump_tcp` therefore
+asks for both address families in one request (the ``TCPDIAG_GETSOCK`` form of
+the request, whose family is ``AF_UNSPEC``) rather than one per family, and
+counts straight from the receive buffer. A local-port bytecode filter for the
+non-TIME_WAIT states was tried and dropped: it needs a second request per
+family, and the second walk costs more than the sockets it leaves out.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["DestinationSockets", "SockDiagError", "TCP_STATES", "dump_tcp", "format_endpoint", "iter_tcp", "local_port_filter"]
+__all__ = ["DestinationSockets", "SockDiagError", "TCP_STATES", "dump_tcp", "format_endpoint", "iter_tcp"]
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -31,10 +34,8 @@ NLM_F_DUMP = 0x300
 NLMSG_ERROR = 2
 NLMSG_DONE = 3
 IPPROTO_TCP = 6
-INET_DIAG_REQ_BYTECODE = 1
-#: include/uapi/linux/inet_diag.h: op codes of the filter bytecode.
-INET_DIAG_BC_S_GE = 2
-INET_DIAG_BC_S_LE = 3
+#: The older request type (struct inet_diag_req): TCP only, and the kernel dumps every family.
+TCPDIAG_GETSOCK = 18
 
 #: include/net/tcp_states.h
 TCP_STATES = {
@@ -83,31 +84,20 @@ def format_endpoint(family: int, addr: bytes, port: int) -> str:
     return f"[{ip.compressed}]:{port}"
 
 
-_BC_OP = struct.Struct("=BBH")  # inet_diag_bc_op: code, yes, no
-_NLATTR = struct.Struct("=HH")
+_REQ_ALL = struct.Struct("=BBBB48sII")  # inet_diag_req: family, src_len, dst_len, ext, sockid, states, dbs
 
 
-def local_port_filter(low: int, high: int) -> bytes:
-    """Bytecode keeping sockets whose local port is in ``[low, high]`` (as ``ss`` compiles it).
-
-    Each comparison is two ops (8 bytes): the op, then the port in the second op's ``no``.
-    ``yes`` steps to the next comparison; ``no`` jumps past the end (length + 4): reject.
-    """
-    ge = _BC_OP.pack(INET_DIAG_BC_S_GE, 8, 16 + 4) + _BC_OP.pack(0, 0, low)
-    le = _BC_OP.pack(INET_DIAG_BC_S_LE, 8, 8 + 4) + _BC_OP.pack(0, 0, high)
-    return ge + le
-
-
-def _request(family: int, states: int, seq: int, bytecode: bytes = b"") -> bytes:
+def _request(family: int, states: int, seq: int) -> bytes:
+    if family == socket.AF_UNSPEC:  # both families in one walk of the kernel's hash table
+        body = _REQ_ALL.pack(0, 0, 0, 0, b"\0" * 48, states, 0)
+        return _NLMSGHDR.pack(_NLMSGHDR.size + len(body), TCPDIAG_GETSOCK, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
     body = _REQ.pack(family, IPPROTO_TCP, 0, 0, states, b"\0" * 48)
-    if bytecode:
-        body += _NLATTR.pack(_NLATTR.size + len(bytecode), INET_DIAG_REQ_BYTECODE) + bytecode
     return _NLMSGHDR.pack(_NLMSGHDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
 
 
-def _batches(family: int, states: int, bytecode: bytes = b"") -> Iterator[tuple[bytes, list[int]]]:
-    """Yield ``(receive buffer, offsets of its inet_diag_msg bodies)`` per ``recv`` of one family's dump
-    (and, with ``bytecode``, only the sockets the kernel's filter keeps)."""
+def _batches(family: int, states: int) -> Iterator[tuple[bytes, list[int]]]:
+    """Yield ``(receive buffer, offsets of its inet_diag_msg bodies)`` per ``recv`` of one family's
+    dump (``AF_UNSPEC``: every family's)."""
     try:
         sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
     except OSError as exc:
@@ -115,7 +105,7 @@ def _batches(family: int, states: int, bytecode: bytes = b"") -> Iterator[tuple[
     with sock:
         sock.settimeout(5.0)
         seq = int.from_bytes(os.urandom(4), "little") or 1
-        sock.send(_request(family, states, seq, bytecode))
+        sock.send(_request(family, states, seq))
         unpack_hdr = _NLMSGHDR.unpack_from
         while True:
             try:
@@ -138,16 +128,16 @@ def _batches(family: int, states: int, bytecode: bytes = b"") -> Iterator[tuple[
                             raise SockDiagError(errno, f"sock_diag: {os.strerror(errno)}")
                         yield buf, bodies
                         return
-                    if kind == SOCK_DIAG_BY_FAMILY and length >= _MSG_LEN and offset + _MSG_LEN <= end:
+                    if kind in (SOCK_DIAG_BY_FAMILY, TCPDIAG_GETSOCK) and length >= _MSG_LEN and offset + _MSG_LEN <= end:
                         bodies.append(offset + _NLMSGHDR.size)
                 offset += (length + 3) & ~3
             yield buf, bodies
 
 
-def _dump(family: int, states: int, bytecode: bytes = b"") -> Iterator[tuple[int, bytes, int, int, int, int, bytes]]:
+def _dump(family: int, states: int) -> Iterator[tuple[int, bytes, int, int, int, int, bytes]]:
     """Yield ``(state, dst_addr, dport, sport, family, expires_ms, src_addr)`` per socket of one family."""
     unpack_msg = _MSG.unpack_from
-    for buf, bodies in _batches(family, states, bytecode):
+    for buf, bodies in _batches(family, states):
         for body in bodies:
             (fam, state, _t, _r, sport, dport, src, dst, _if, _cookie,
              expires, _rq, _wq, _uid, _ino) = unpack_msg(buf, body)
@@ -186,22 +176,24 @@ def dump_tcp(
     on this host too (same source and destination address: the engine's side of
     a scrape over loopback or the host's own address).
 
-    Only TIME_WAIT sockets and sockets on an ``ephemeral`` local port count, so the
-    other states are dumped with a local-port filter in the kernel (and not at all
-    without ``ephemeral``): a destination appears when something of it counts."""
+    IPv4 and IPv6 together (the default) are one request for both; a kernel that
+    refuses that form is asked once per family."""
     mask = 0
     for name in states:
         mask |= 1 << TCP_STATES[name]
-    dumps = []
-    if mask & (1 << TIME_WAIT):
-        dumps.append((1 << TIME_WAIT, b""))
-    if mask & ~(1 << TIME_WAIT) and ephemeral is not None and len(ephemeral):
-        dumps.append((mask & ~(1 << TIME_WAIT), local_port_filter(ephemeral[0], ephemeral[-1])))
     young = TIMEWAIT_LEN_MS - recent_ms
     raw: dict[tuple[int, bytes, int], DestinationSockets] = {}
-    for family in families:
-        for state_mask, bytecode in dumps:
-            _count(raw, _batches(family, state_mask, bytecode), ephemeral, young, exclude)
+    families = tuple(families)
+    both = set(families) == {socket.AF_INET, socket.AF_INET6}
+    try:
+        for family in (socket.AF_UNSPEC,) if both else families:
+            _count(raw, _batches(family, mask), ephemeral, young, exclude)
+    except SockDiagError:
+        if not both:
+            raise
+        raw.clear()  # the older request form refused: one request per family
+        for family in families:
+            _count(raw, _batches(family, mask), ephemeral, young, exclude)
     out: dict[str, DestinationSockets] = {}
     for (fam, dst, dport), entry in raw.items():
         name = format_endpoint(fam, dst, dport)
