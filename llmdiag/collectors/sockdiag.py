@@ -1,11 +1,11 @@
 """A small sock_diag (NETLINK_SOCK_DIAG) client: TCP sockets per remote ip:port.
 
 This is what ``ss -tan state time-wait`` asks the kernel. The request is an
-``inet_diag_req_v2`` with a state mask and no extensions, so every reply is a
-bare ``inet_diag_msg`` (72 bytes) with no attributes; the parser still walks
-messages by ``nlmsg_len``. One dump per address family per tick, parsed with
-``struct.unpack_from`` on the receive buffer (30k sockets in a few ms; see
-docs/benchmarks.md, "tcp").
+``inet_diag_req_v2`` (or, for both families at once, the older ``inet_diag_req``)
+with a state mask and no extensions, so every reply is a bare ``inet_diag_msg``
+(72 bytes) with no attributes; the parser still walks messages by
+``nlmsg_len``, with ``struct.unpack_from`` on the receive buffer (30k sockets
+in a few ms; see docs/benchmarks.md, "tcp").
 
 The kernel filters by state (the mask). Most of a dump's cost is the kernel
 walking its whole TCP hash table, once per request: :func:`dump_tcp` therefore
