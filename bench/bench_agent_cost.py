@@ -9,10 +9,14 @@ proc, tcp, timewait, http2, cuda; gpu is unavailable without NVML) watching all 
 a user runs it. After the BPF programs are attached and 5 s of warm-up, for ``--seconds``:
 
 * CPU: the agent process's utime + stime (``/proc/PID/stat``) over wall time, in % of one core;
-* RSS: ``VmRSS`` at the end and ``VmHWM`` (peak) from ``/proc/PID/status``;
+* RSS: ``VmRSS`` at the end and ``VmHWM`` (peak) from ``/proc/PID/status``, split into ``RssAnon``
+  (the agent's own memory) and ``RssFile`` (mapped libraries: bcc's LLVM when BPF runs);
 * tick duration (collection + analysis): the agent's own ``llmdiag_tick_duration_seconds``
   histogram over the window (mean, share of ticks <= 50 ms, the bucket holding p99), and
-  ``llmdiag_ticks_missed_total``.
+  ``llmdiag_ticks_missed_total``; each collector's median ``llmdiag_collector_duration_seconds``
+  (read every 5 s).
+
+``--collectors engine,proc,timewait`` measures the same without the BPF collectors.
 
 Results: ``bench/results/agent_cost.json``.
 """
@@ -22,8 +26,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import os
+import signal
+import statistics
 import sys
 import tempfile
 import threading
@@ -63,6 +68,8 @@ def histogram(url: str) -> dict[str, float]:
             elif s.name in ("llmdiag_tick_duration_seconds_sum", "llmdiag_tick_duration_seconds_count",
                             "llmdiag_ticks_missed_total"):
                 out[s.name] = s.value
+            elif s.name == "llmdiag_collector_duration_seconds":
+                out[f"collector={s.labels['collector']}"] = s.value
     return out
 
 
@@ -71,12 +78,17 @@ def main() -> int:
     parser.add_argument("--backends", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--rate", type=float, default=4.0, help="requests/s over all backends (default 4)")
+    parser.add_argument("--collectors", default="", metavar="A,B",
+                        help="[agent] collectors (default: all; e.g. engine,proc,timewait to see the cost without BPF)")
+    parser.add_argument("--out", default=str(RESULTS), help=f"results file (default {RESULTS.relative_to(REPO)})")
     args = parser.parse_args()
     # SIGTERM (timeout, Ctrl-C elsewhere) unwinds through the finally blocks: no orphaned servers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     tmp = Path(tempfile.mkdtemp(prefix="llmdiag-bench-cost-"))
     with fake_engines([[] for _ in range(args.backends)]) as urls:
-        agent = AgentProcess([a for u in urls for a in ("--backend", u)], tmp, agent_check=False)
+        names = [n.strip() for n in args.collectors.split(",") if n.strip()]
+        config = f"[agent]\ncollectors = {json.dumps(names)}\n" if names else ""
+        agent = AgentProcess([a for u in urls for a in ("--backend", u)], tmp, config=config, agent_check=False)
         stop_load = threading.Event()
 
         def load() -> None:
@@ -96,9 +108,15 @@ def main() -> int:
             state = agent.state()
             pid = agent.proc.pid
             h0, c0, t0 = histogram(agent.url), cpu_seconds(pid), time.monotonic()
-            time.sleep(args.seconds)
+            per_collector: dict[str, list[float]] = {}
+            while time.monotonic() - t0 < args.seconds:
+                time.sleep(min(5.0, max(0.0, args.seconds - (time.monotonic() - t0))))
+                for key, value in histogram(agent.url).items():
+                    if key.startswith("collector="):
+                        per_collector.setdefault(key[len("collector="):], []).append(value)
             h1, c1, t1 = histogram(agent.url), cpu_seconds(pid), time.monotonic()
             rss, hwm = status_kib(pid, "VmRSS"), status_kib(pid, "VmHWM")
+            anon, file_backed = status_kib(pid, "RssAnon"), status_kib(pid, "RssFile")
         finally:
             stop_load.set()
             code, log, took = agent.stop()
@@ -113,18 +131,22 @@ def main() -> int:
         "cpu_percent_of_one_core": round(100 * (c1 - c0) / (t1 - t0), 2),
         "rss_mib": round(rss / 1024, 1),
         "peak_rss_mib": round(hwm / 1024, 1),
+        "rss_anon_mib": round(anon / 1024, 1),  # the agent's own heap
+        "rss_file_mib": round(file_backed / 1024, 1),  # mapped libraries (bcc's LLVM when BPF is on), shared
         "ticks": int(count),
         "tick_mean_ms": round(1000 * (h1["llmdiag_tick_duration_seconds_sum"] - h0["llmdiag_tick_duration_seconds_sum"])
                               / max(count, 1), 2),
         "ticks_within_50ms_percent": round(100 * dict(buckets)[0.05] / max(count, 1), 1),
         "tick_p99_at_most_ms": p99_bucket * 1000 if p99_bucket != float("inf") else None,
         "ticks_missed": int(h1["llmdiag_ticks_missed_total"] - h0["llmdiag_ticks_missed_total"]),
+        "collector_ms_median": {name: round(1000 * statistics.median(v), 1) for name, v in sorted(per_collector.items())},
         "agent_exit": code,
         "agent_stop_seconds": round(took, 2),
         "machine": f"{os.cpu_count()} CPUs, shared with other jobs",
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
 

@@ -92,7 +92,8 @@ class Fleet:
             addr = b.removeprefix("http://")
             line = f"    server s{i} {addr} weight 100"
             if agent_port is not None:
-                line += f" agent-check agent-addr 127.0.0.1 agent-port {agent_port} agent-inter 1s agent-send 'llm/s{i}\\n'"
+                # The agent knows engines by ip:port (their --backend URLs): send that.
+                line += f" agent-check agent-addr 127.0.0.1 agent-port {agent_port} agent-inter 1s agent-send '{addr}\\n'"
             servers.append(line)
         cfg = self.tmp / f"haproxy-{port}.cfg"
         cfg.write_text(
@@ -120,6 +121,19 @@ class Fleet:
                    f"instant-{port}")
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health")
+        return url
+
+    def llmdiag_agent(self, port: int, check_port: int, engines: list[str]) -> str:
+        """``llmdiag agent`` on the engines (engine collector only: fake engines have no GPU, and no BPF compile)."""
+        cfg = self.tmp / f"agent-{port}.toml"
+        cfg.write_text('[agent]\ncollectors = ["engine"]\ndiscover = false\n')
+        args = [PY, "-m", "llmdiag.cli", "--config", str(cfg)]
+        for e in engines:
+            args += ["--backend", e]
+        args += ["agent", "--listen", f"127.0.0.1:{port}", "--agent-check", f"127.0.0.1:{check_port}"]
+        self.spawn(args, f"llmdiag-agent-{port}")
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/healthz", timeout=60)
         return url
 
     def engine_agent(self, port: int, engines: list[str]) -> str:
@@ -194,7 +208,7 @@ def _serve_engine_agent(port: int, engines: list[str]) -> None:
 
     from llmdiag.analyzers.analyzer import Analyzer
     from llmdiag.analyzers.penalties import addresses_of, penalties_document
-    from llmdiag.cli.wiring import snapshot_ticks
+    from llmdiag.agent.wiring import snapshot_ticks
     from llmdiag.config import Config
 
     config = Config().with_backends(engines)

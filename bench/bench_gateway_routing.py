@@ -14,13 +14,11 @@ Live policies, each on fresh engines with the same schedule:
 
 - ``gateway``: ``llmdiag gateway`` (balancer fed by its own TTFT/status
   feedback and the engines' ``/metrics``);
-- ``gateway_agent``: the same plus node penalties from an agent
-  (``bench_gateway_common.py agent``: the real engine collector and analyzers
-  serving ``/v1/penalties``; ``llmdiag agent`` itself is not on main yet);
-- ``haproxy_rr``, ``haproxy_leastconn``: HAProxy 2.6 roundrobin / leastconn.
-
-HAProxy driven by the agent's agent-check is not run: the agent-check server
-belongs to ``llmdiag agent``, which is not on main yet.
+- ``gateway_agent``: the same plus node penalties from ``llmdiag agent``
+  (engine collector only: the fake engines have no GPU, and no BPF compile);
+- ``haproxy_rr``, ``haproxy_leastconn``: HAProxy 2.6 roundrobin / leastconn;
+- ``haproxy_agentcheck``: HAProxy roundrobin whose server weights ``llmdiag
+  agent`` sets over the agent-check protocol (``agent-inter 1s``).
 
 The simulator (:class:`llmdiag.sim.cluster.ClusterSim`) then runs the same
 schedule, engines and fault with its ``llmdiag``, ``round_robin`` and
@@ -33,7 +31,9 @@ import argparse
 import asyncio
 import json
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,8 +45,10 @@ from llmdiag.sim.engine_model import PRESETS  # noqa: E402
 from llmdiag.sim.faults import Fault, FaultSchedule  # noqa: E402
 from llmdiag.sim.workload import Trace, load_trace  # noqa: E402
 
-LIVE = ("gateway", "gateway_agent", "haproxy_rr", "haproxy_leastconn")
-SIM = {"gateway": "llmdiag", "gateway_agent": "llmdiag", "haproxy_rr": "round_robin", "haproxy_leastconn": "least_conn"}
+LIVE = ("gateway", "gateway_agent", "haproxy_rr", "haproxy_leastconn", "haproxy_agentcheck")
+#: The simulator's nearest policy (none models HAProxy weights set by agent-check).
+SIM = {"gateway": "llmdiag", "gateway_agent": "llmdiag", "haproxy_rr": "round_robin", "haproxy_leastconn": "least_conn",
+       "haproxy_agentcheck": None}
 
 
 def window(report: LoadReport, lo: float, hi: float, slo: float) -> dict:
@@ -69,8 +71,12 @@ def run_live(policy: str, args: argparse.Namespace, schedule: list, fault_at: fl
         if policy == "gateway":
             target = fleet.gateway(free_port(), engines)
         elif policy == "gateway_agent":
-            agent = fleet.engine_agent(free_port(), engines)
+            agent = fleet.llmdiag_agent(free_port(), free_port(), engines)
             target = fleet.gateway(free_port(), engines, agents=[agent])
+        elif policy == "haproxy_agentcheck":
+            check_port = free_port()
+            fleet.llmdiag_agent(free_port(), check_port, engines)
+            target = fleet.haproxy(free_port(), engines, "roundrobin", agent_port=check_port)
         elif policy == "haproxy_rr":
             target = fleet.haproxy(free_port(), engines, "roundrobin")
         elif policy == "haproxy_leastconn":
@@ -81,17 +87,42 @@ def run_live(policy: str, args: argparse.Namespace, schedule: list, fault_at: fl
         if wait > 0:
             time.sleep(wait)
         offset = time.monotonic() - t_engines - lead  # how late the load started against the fault clock
+        waiting: list[list[float]] = []
+        done = threading.Event()
+        watcher = threading.Thread(target=_watch_waiting, args=(engines, waiting, done), daemon=True)
+        watcher.start()
         report = asyncio.run(run_load([target], schedule, timeout=args.timeout, slo_ttft_s=args.slo,
                                       duration_s=args.duration))
+        done.set()
+        watcher.join(5)
     s = report.summary()
     s["fault_at_load_s"] = round(fault_at - offset, 2)
     s["before_fault"] = window(report, 5.0, fault_at - offset, args.slo)
     s["after_fault"] = window(report, fault_at - offset + 5.0, args.duration, args.slo)
+    s["engines_waiting"] = waiting  # [t since load start, waiting per engine...] every 2 s
+    s["requests_detail"] = [[round(r.sent_at, 3), None if r.ttft is None else round(r.ttft, 4), r.status, r.backend]
+                            for r in report.results]
     slow = f"127.0.0.1:{engines[-1].rsplit(':', 1)[1]}"
     if s["backends"]:
         after = [r.backend for r in report.results if r.sent_at >= fault_at - offset + 5.0 and r.backend]
         s["slow_engine_share_after_fault"] = round(after.count(slow) / len(after), 4) if after else None
     return s
+
+
+def _watch_waiting(engines: list[str], out: list[list[float]], done: threading.Event) -> None:
+    """Every 2 s, each engine's ``vllm:num_requests_waiting`` (to set the live queue beside the simulator's)."""
+    t0 = time.monotonic()
+    while not done.wait(2.0):
+        row = [round(time.monotonic() - t0, 1)]
+        for url in engines:
+            try:
+                with urllib.request.urlopen(url + "/metrics", timeout=1.0) as resp:
+                    text = resp.read().decode()
+                row.append(next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                                 if line.startswith("vllm:num_requests_waiting{")), -1.0))
+            except OSError:
+                row.append(-1.0)
+        out.append(row)
 
 
 def run_sim(policy: str, args: argparse.Namespace, schedule: list, fault_at: float) -> dict:
@@ -104,6 +135,9 @@ def run_sim(policy: str, args: argparse.Namespace, schedule: list, fault_at: flo
     config = SimConfig(client_timeout_s=args.timeout, ttft_slo_s=args.slo)
     result = ClusterSim(specs, trace, policy, config=config, seed=args.seed).run()
     out = result.summary()
+    series = result.series
+    out["engines_waiting"] = [[round(t, 1), *(w[k] for w in series["waiting"])]
+                              for k, t in enumerate(series["t"]) if k % 2 == 0]
     out["dispatch_share"] = [round(x, 4) for x in result.dispatch_share]
     return out
 
@@ -141,7 +175,7 @@ def main() -> None:
         result["live"][policy] = run_live(policy, args, schedule, args.fault_at)
         live = result["live"][policy]
         print(f"  TTFT p99 {live['ttft_s']['p99']} s, goodput {live['goodput_rps']} req/s, errors {live['errors']}", flush=True)
-    for name in sorted({SIM[p] for p in policies}):
+    for name in sorted({SIM[p] for p in policies if SIM[p]}):
         print(f"sim: {name} ...", flush=True)
         result["sim"][name] = run_sim(name, args, schedule, args.fault_at)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
@@ -149,10 +183,10 @@ def main() -> None:
     lines = ["| policy | live P99 TTFT (s) | live goodput (req/s) | live errors | P99 TTFT after the fault | slow engine's share after | sim policy | sim P99 TTFT (s) | sim goodput (req/s) |",
              "|---|---:|---:|---|---:|---:|---|---:|---:|"]
     for policy in policies:
-        live, sim = result["live"][policy], result["sim"][SIM[policy]]
+        live, sim = result["live"][policy], result["sim"].get(SIM[policy] or "", {"ttft_p99": None, "goodput_rps": "-"})
         share = live.get("slow_engine_share_after_fault")
         lines.append(f"| {policy} | {_f(live['ttft_s']['p99'])} | {live['goodput_rps']} | {live['errors'] or '-'} | "
-                     f"{_f(live['after_fault']['ttft_p99'])} | {'-' if share is None else share} | {SIM[policy]} | "
+                     f"{_f(live['after_fault']['ttft_p99'])} | {'-' if share is None else share} | {SIM[policy] or '-'} | "
                      f"{_f(sim['ttft_p99'])} | {sim['goodput_rps']} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -166,7 +200,8 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     xs = range(len(policies))
     ax.bar([x - 0.2 for x in xs], [result["live"][p]["ttft_s"]["p99"] or 0 for p in policies], 0.4, label="live")
-    ax.bar([x + 0.2 for x in xs], [result["sim"][SIM[p]]["ttft_p99"] or 0 for p in policies], 0.4, label="simulator")
+    ax.bar([x + 0.2 for x in xs], [result["sim"][SIM[p]]["ttft_p99"] or 0 if SIM[p] else 0 for p in policies], 0.4,
+           label="simulator")
     ax.set_xticks(list(xs), policies)
     ax.set_ylabel("P99 TTFT (s)")
     ax.set_title(f"{args.engines} fake engines, one at {args.speed:g}x speed from t={args.fault_at:g} s")

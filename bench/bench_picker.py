@@ -346,7 +346,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-picker-") as tmp_name:
         tmp = Path(tmp_name)
         if args.what in ("latency", "all"):
+            load_before = os.getloadavg()[0]
             results["latency"] = bench_latency(tmp, args.requests)
+            # Other jobs on the machine inflate every path; the load average says how much was going on.
+            results["latency"]["load_average_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
             print(json.dumps(results["latency"], indent=1), flush=True)
         if args.what in ("throughput", "all"):
             results["throughput"] = bench_throughput(tmp, args.seconds or 10.0, args.concurrency)

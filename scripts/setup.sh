@@ -41,6 +41,7 @@ APT_PACKAGES=(
     gcc make                                           # stand-in libcuda for the uprobe tests
     haproxy prometheus                                 # real gateway and scraper in the integration tests
     tmux                                               # `llmdiag top` driven in a real terminal (tests)
+    openssl                                            # a self-signed pair for the picker's TLS test
 )
 if [ "$MODE" = image ]; then
     APT_PACKAGES=(

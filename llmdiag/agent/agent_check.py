@@ -6,10 +6,10 @@ backend in the latest agent state, close. Bad input never takes a server down an
 stalls the listener:
 
 * no line within ``agent_check_timeout_seconds`` (a slow client, or HAProxy without
-  ``agent-send``): answered ``up ready 100%``, counted as ``timeout``;
-* a line longer than ``agent_check_max_line_bytes``, or not text: ``up ready 100%``,
+  ``agent-send``): answered ``ready up 100%``, counted as ``timeout``;
+* a line longer than ``agent_check_max_line_bytes``, or not text: ``ready up 100%``,
   counted as ``too_long`` / ``bad_request``;
-* an unknown name: ``up ready 100%``, counted as ``unknown`` and in
+* an unknown name: ``ready up 100%``, counted as ``unknown`` and in
   ``llmdiag_agent_check_unknown_server_total`` with a warning logged once per name;
 * more than ``agent_check_max_connections`` at once: closed without a reply (``rejected``).
 """
@@ -127,6 +127,6 @@ class AgentCheckServer:
                 if first:
                     self._warned.add(name)
             if first:
-                log.warning("agent-check for unknown server %r: answered up ready 100%% (fail open)", name)
+                log.warning("agent-check for unknown server %r: answered ready up 100%% (fail open)", name)
             return UNKNOWN_REPLY, "unknown"
         return agent_check_reply(entry, self.config.agent_check_maxconn), "ok"

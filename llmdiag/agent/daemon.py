@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -39,7 +41,9 @@ from llmdiag.agent.agent_check import AgentCheckServer
 from llmdiag.agent.loop import AgentLoop, AgentState
 from llmdiag.agent.probes import AgentProber
 from llmdiag.agent.wiring import COLLECTOR_FACTORIES, build_collectors, resolve_backends
-from llmdiag.collectors.base import GuardedCollector, collect_snapshot
+from llmdiag.agent.ticker import collect_concurrently
+from llmdiag.collectors.base import CollectorUsageError, GuardedCollector
+from llmdiag.collectors.kube import PodMetadataReader
 from llmdiag.config import Config
 from llmdiag.config.agent import split_address
 from llmdiag.exporters.prometheus import TICK_BUCKETS, AgentTelemetry, BackendInfo, StateCollector
@@ -51,6 +55,8 @@ log = logging.getLogger("llmdiag.agent")
 
 #: Seconds the agent may take to build its collectors (BPF compiles) before /healthz says it is stuck.
 STARTUP_GRACE_SECONDS = 120.0
+#: Exit status for a usage mistake (sysexits EX_USAGE), as the command line uses it.
+EX_USAGE = 64
 #: SIGTERM to exit, at most (SPEC: within 5 s); the tick thread gets what is left after the listeners.
 SHUTDOWN_SECONDS = 4.5
 
@@ -64,7 +70,9 @@ class Agent:
         self.token = token or None
         self.clock = clock
         self.hostname = config.agent.hostname or socket.gethostname()
-        self.backends = list(backends) if backends is not None else resolve_backends(config)
+        # One reader for the agent's life: it caches each pid's Kubernetes labels.
+        self._kube = PodMetadataReader(config.proc.proc_root, os.environ.get("NODE_NAME"))
+        self.backends = list(backends) if backends is not None else resolve_backends(config, self._kube)
         self.loop = AgentLoop(config, self.backends, clock=clock, keep_closed=config.agent.keep_closed_diagnoses)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StateCollector(self._metrics_source))
@@ -72,23 +80,28 @@ class Agent:
         self.agent_check = AgentCheckServer(config.agent, self._entries) if config.agent.agent_check_listen else None
         self.prober: AgentProber | None = None
         self.fatal: str | None = None
+        #: The fatal error was the user's input (a config value a collector rejects): exit 64.
+        self.usage_error = False
         self.http_address: tuple[str, int] | None = None
         self.agent_check_address: tuple[str, int] | None = None
         self._telemetry = AgentTelemetry(backends=self._backend_info())
-        self._tick_lock = threading.Lock()
         self._opened: dict[tuple[str, str], int] = {}
         self._started = time.monotonic()
         self._last_tick_mono: float | None = None
+        self._built_mono: float | None = None
         self._stop = threading.Event()
         self._async_stop: asyncio.Event | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._tick_thread, name="llmdiag-ticks", daemon=True)
         self._collectors: list[GuardedCollector] = []
-        self._entries_cache: tuple[int, dict[str, BackendPenalty]] = (-1, {})
-        self._http_counts: dict[str, int] = {}
+        self._entries_cache: tuple[AgentState | None, dict[str, BackendPenalty]] = (None, {})
+        self._unauthorized = 0
         self._resets: dict[str, float] = {}
         self.collectors_closed = threading.Event()
         self._runner: Any = None
+        self._collect_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        #: Seconds each collector took in the last tick (benchmarks, debugging).
+        self.collector_seconds: dict[str, float] = {}
 
     # -- reading (any thread) ---------------------------------------------------------
     @property
@@ -103,33 +116,39 @@ class Agent:
         now = time.monotonic()
         last = self._last_tick_mono
         if last is None:
-            waited = now - self._started
-            if waited <= STARTUP_GRACE_SECONDS:
-                return True, f"starting: building collectors ({waited:.0f} s)"
-            return False, f"tick loop stuck: no tick {waited:.0f} s after start"
+            built = self._built_mono
+            if built is None:  # compiling BPF programs takes seconds: a grace period, then stuck
+                waited = now - self._started
+                if waited <= STARTUP_GRACE_SECONDS:
+                    return True, f"starting: building collectors ({waited:.0f} s)"
+                return False, f"tick loop stuck: collectors still building {waited:.0f} s after start"
+            if now - built > stale:
+                return False, f"tick loop stuck: the first tick has not finished {now - built:.1f} s after the collectors started"
+            return True, "starting: first tick"
         age = now - last
         if age > stale:
             return False, f"tick loop stuck: last tick {age:.1f} s ago (limit {stale:g} s)"
         return True, f"ok: last tick {age:.2f} s ago, {self.state.ticks} ticks"
 
-    def count_http(self, result: str) -> None:
-        self._http_counts[result] = self._http_counts.get(result, 0) + 1
+    def count_unauthorized(self) -> None:
+        """An HTTP request without the right token (asyncio thread only)."""
+        self._unauthorized += 1
 
     def _entries(self) -> Mapping[str, BackendPenalty]:
+        """The latest state's backends as penalties entries, rebuilt once per state (agent-check)."""
         state = self.loop.state
-        key, entries = self._entries_cache
-        if key != id(state):
+        cached, entries = self._entries_cache
+        if cached is not state:
             entries = {name: b.as_penalty() for name, b in state.backends.items()}
-            self._entries_cache = (id(state), entries)
+            self._entries_cache = (state, entries)
         return entries
 
     def _metrics_source(self) -> tuple[AgentState, AgentTelemetry]:
         state, tel = self.loop.state, self._telemetry
+        extra: dict[str, Any] = {"http_unauthorized_total": self._unauthorized}
         if self.agent_check is not None:
-            requests, unknown = self.agent_check.counters()
-            tel = AgentTelemetry(**{**tel.__dict__, "agent_check_requests": requests,
-                                    "agent_check_unknown_server_total": unknown})
-        return state, tel
+            extra["agent_check_requests"], extra["agent_check_unknown_server_total"] = self.agent_check.counters()
+        return state, dataclasses.replace(tel, **extra)
 
     def _backend_info(self) -> tuple[BackendInfo, ...]:
         return tuple(BackendInfo(b.name, b.address, b.engine or "", b.labels.get("pod", ""), b.labels.get("namespace", ""),
@@ -140,14 +159,18 @@ class Agent:
         try:
             collectors, unavailable = build_collectors(self.config, self.backends)
         except BaseException as exc:  # noqa: BLE001 - reported by /healthz and the exit status
+            self.usage_error = isinstance(exc, CollectorUsageError)
             self.fatal = f"collectors failed to start: {type(exc).__name__}: {exc}"
             log.error("%s", self.fatal)
             self.collectors_closed.set()
             self._wake_async()
             return
         self._collectors = collectors
+        self._built_mono = time.monotonic()
         interval = self.config.agent.interval_seconds
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmdiag-discovery")
+        self._collect_pool = concurrent.futures.ThreadPoolExecutor(max(1, len(collectors)),
+                                                                   thread_name_prefix="llmdiag-collect")
         pending: concurrent.futures.Future[list[Backend]] | None = None
         next_refresh = time.monotonic() + self.config.agent.discover_interval_seconds
         try:
@@ -158,7 +181,7 @@ class Agent:
                     self._apply_backends(pending)
                     pending = None
                 if pending is None and time.monotonic() >= next_refresh:
-                    pending = pool.submit(resolve_backends, self.config)
+                    pending = pool.submit(resolve_backends, self.config, self._kube)
                     next_refresh = time.monotonic() + self.config.agent.discover_interval_seconds
                 next_tick += interval
                 late = time.monotonic() - next_tick
@@ -169,14 +192,17 @@ class Agent:
                 self._stop.wait(max(0.0, next_tick - time.monotonic()))
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+            self._collect_pool.shutdown(wait=True)
             for c in self._collectors:
                 c.close()
             self.collectors_closed.set()
 
     def _tick(self, unavailable: Mapping[str, CollectorStatus]) -> None:
         started = time.perf_counter()
+        assert self._collect_pool is not None
         try:
-            snap = collect_snapshot(self._collectors, self.clock(), self.hostname)
+            snap, self.collector_seconds = collect_concurrently(self._collectors, self.clock(), self.hostname,
+                                                                self._collect_pool)
             snap.collectors.update(unavailable)
             collect_seconds = time.perf_counter() - started
             state = self.loop.observe(snap, collect_seconds)
@@ -199,13 +225,12 @@ class Agent:
             ticks_total=old.ticks_total + 1, ticks_missed_total=old.ticks_missed_total, tick_bucket_counts=counts,
             tick_seconds_sum=old.tick_seconds_sum + elapsed, last_tick_timestamp=snap.ts, backends=old.backends,
             diagnoses_opened=dict(self._opened), bpf_lost_events=lost, bpf_run_time_seconds=run_time,
-            bpf_run_count=run_count,
+            bpf_run_count=run_count, collector_seconds=dict(self.collector_seconds),
         )
         self._last_tick_mono = time.monotonic()
 
     def _count_missed(self, n: int) -> None:
-        old = self._telemetry
-        self._telemetry = AgentTelemetry(**{**old.__dict__, "ticks_missed_total": old.ticks_missed_total + n})
+        self._telemetry = dataclasses.replace(self._telemetry, ticks_missed_total=self._telemetry.ticks_missed_total + n)
 
     def _notice_resets(self, snap: Snapshot) -> None:
         """An engine whose counters went down restarted: its score ramps up again."""
@@ -246,7 +271,7 @@ class Agent:
                 setter(self.backends)
             elif c.name == "engine" and (added or moved):
                 self._replace_collector(c)
-        self._telemetry = AgentTelemetry(**{**self._telemetry.__dict__, "backends": self._backend_info()})
+        self._telemetry = dataclasses.replace(self._telemetry, backends=self._backend_info())
 
     def _replace_collector(self, old: GuardedCollector) -> None:
         """Rebuild a cheap collector for a new backend set (the BPF ones keep theirs: no recompiles)."""
@@ -309,7 +334,7 @@ class Agent:
         finally:
             await self._shutdown()
         if self.fatal:
-            return 1
+            return EX_USAGE if self.usage_error else 1
         return 130 if interrupted and interrupted[0] == signal.SIGINT else 0
 
     def _on_signal(self, signum: int, interrupted: list[int]) -> None:

@@ -15,8 +15,10 @@ With a bearer token configured, every path but ``/healthz`` answers 401 without
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -28,9 +30,26 @@ __all__ = ["build_app"]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def _dumps(obj: Any) -> str:
+    """Strict JSON; a non-finite number anywhere (a rule's evidence, say) becomes null, never a 500."""
+    try:
+        return json.dumps(obj, allow_nan=False, separators=(",", ":"))
+    except ValueError:
+        return json.dumps(_finite(obj), allow_nan=False, separators=(",", ":"))
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(text=json.dumps(obj, allow_nan=False, separators=(",", ":")), status=status,
-                        content_type="application/json")
+    return web.Response(text=_dumps(obj), status=status, content_type="application/json")
 
 
 def build_app(agent: Any, registry: CollectorRegistry, token: str | None) -> web.Application:
@@ -42,20 +61,24 @@ def build_app(agent: Any, registry: CollectorRegistry, token: str | None) -> web
         if expected is not None and request.path != "/healthz":
             given = request.headers.get("Authorization", "").encode("utf-8", "replace")
             if not hmac.compare_digest(given, expected):
-                agent.count_http("unauthorized")
+                agent.count_unauthorized()
                 return web.Response(status=401, text="bearer token required\n",
                                     headers={"WWW-Authenticate": 'Bearer realm="llmdiag"'})
         return await handler(request)
 
+    # Rendering a large state takes milliseconds: off the event loop, so that agent-check
+    # answers never wait behind a scrape.
     async def metrics(request: web.Request) -> web.Response:
-        body = generate_latest(registry)
+        body = await asyncio.get_running_loop().run_in_executor(None, generate_latest, registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def penalties(request: web.Request) -> web.Response:
         return _json(agent.state.penalties(agent.config.agent.penalties_ttl_seconds).to_json())
 
     async def state(request: web.Request) -> web.Response:
-        return _json(agent.state.to_json())
+        snapshot = agent.state  # one state for the whole answer
+        text = await asyncio.get_running_loop().run_in_executor(None, _dumps, snapshot.to_json())
+        return web.Response(text=text, content_type="application/json")
 
     async def healthz(request: web.Request) -> web.Response:
         ok, reason = agent.health()

@@ -2,17 +2,65 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from llmdiag.agent.wiring import BuildProgress, build_collectors
-from llmdiag.collectors.base import collect_snapshot
+from llmdiag.collectors.base import GuardedCollector, collect_snapshot
 from llmdiag.config import Config
-from llmdiag.model import Backend, Snapshot
+from llmdiag.model import Backend, CollectorStatus, Sample, Snapshot
 
-__all__ = ["snapshot_ticks"]
+__all__ = ["collect_concurrently", "collector_groups", "snapshot_ticks"]
+
+#: Collectors that read another's state during collect() run after it, in the same thread.
+_AFTER = {"timewait": "tcp"}
+
+
+def collector_groups(collectors: Sequence[GuardedCollector]) -> list[list[GuardedCollector]]:
+    """Independent groups, each run in order in one thread: the timewait collector reads the tcp
+    collector's counters, so it runs after it; every other collector is a group of its own."""
+    by_name = {c.name: c for c in collectors}
+    groups: dict[str, list[GuardedCollector]] = {}
+    for c in collectors:
+        head = _AFTER.get(c.name)
+        key = head if head in by_name else c.name
+        groups.setdefault(key, []).append(c)
+    for key, group in groups.items():
+        group.sort(key=lambda c: c.name != key)  # the one read from goes first
+    return list(groups.values())
+
+
+def collect_concurrently(
+    collectors: Sequence[GuardedCollector],
+    now: float,
+    hostname: str,
+    pool: concurrent.futures.Executor,
+) -> tuple[Snapshot, dict[str, float]]:
+    """One snapshot with the :func:`collector_groups` running side by side (a scrape waiting on
+    the network overlaps /proc reads and BPF map reads), folded in the collectors' order so the
+    snapshot is the one a sequential tick gives. Returns it and each collector's seconds."""
+
+    def run(group: Sequence[GuardedCollector]) -> list[tuple[GuardedCollector, list[Sample], CollectorStatus, float]]:
+        out = []
+        for c in group:
+            started = time.perf_counter()
+            samples = c.collect(now)  # GuardedCollector: never raises
+            out.append((c, samples, c.status(), time.perf_counter() - started))
+        return out
+
+    futures = [pool.submit(run, g) for g in collector_groups(collectors)]
+    results = {id(c): (samples, status, took) for f in futures for c, samples, status, took in f.result()}
+    snap = Snapshot(ts=now, hostname=hostname)
+    seconds: dict[str, float] = {}
+    for c in collectors:
+        samples, status, took = results[id(c)]
+        snap.extend(samples)
+        snap.collectors[c.name] = status
+        seconds[c.name] = took
+    return snap, seconds
 
 
 def snapshot_ticks(

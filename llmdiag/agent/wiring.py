@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from llmdiag.collectors.base import Collector, GuardedCollector
+from llmdiag.collectors.base import Collector, CollectorUsageError, GuardedCollector
 from llmdiag.collectors.discovery import discover_engines, local_backend_pids
 from llmdiag.collectors.gpu import build_gpu_collector
 from llmdiag.collectors.kube import PodMetadataReader
@@ -95,18 +95,10 @@ def _timewait_factory(config: Config, backends: list[Backend]) -> Collector:
     return build_timewait_collector(config, backends)
 
 
-#: Kubernetes labels (pod, namespace, container, node, pod_uid, container_id) of local backend
-#: processes, read from /proc with no API server; NODE_NAME is the DaemonSet's downward-API node name.
-_POD_METADATA = PodMetadataReader(node_name=os.environ.get("NODE_NAME"))
-
-
-def resolve_backends(config: Config) -> list[Backend]:
-    """Configured backends (``[[backends]]`` or ``--backend``), else engines discovered on local ports,
-    each labelled with its Kubernetes pod metadata when its process runs in a pod on this node."""
-    return _POD_METADATA.label_backends(_find_backends(config))
-
-
-def _find_backends(config: Config) -> list[Backend]:
+def resolve_backends(config: Config, kube: PodMetadataReader | None = None) -> list[Backend]:
+    """Configured backends (``[[backends]]`` or ``--backend``), else engines discovered on local ports;
+    each local one labelled with its Kubernetes pod, namespace, container and node (read from /proc,
+    :class:`~llmdiag.collectors.kube.PodMetadataReader`; labels from the config win)."""
     backends = config.backend_list()
     if backends:
         # `--backend http://127.0.0.1:8000` carries no pid: find the local process listening
@@ -116,14 +108,20 @@ def _find_backends(config: Config) -> list[Backend]:
         except Exception as exc:  # noqa: BLE001 - best effort; collectors then see no pid
             log.warning("finding the processes of the configured backends failed: %s", exc)
             pids = {}
-        return [b.with_process(pids[b.name], b.gpus) if b.name in pids and not b.pid else b for b in backends]
-    if not config.agent.discover:
-        return []
+        backends = [b.with_process(pids[b.name], b.gpus) if b.name in pids and not b.pid else b for b in backends]
+    elif config.agent.discover:
+        try:
+            backends = list(discover_engines())
+        except Exception as exc:  # noqa: BLE001 - discovery is best effort
+            log.warning("engine discovery failed: %s", exc)
+            backends = []
+    if kube is None:
+        kube = PodMetadataReader(getattr(config.proc, "proc_root", "/proc"), os.environ.get("NODE_NAME"))
     try:
-        return list(discover_engines())
-    except Exception as exc:  # noqa: BLE001 - discovery is best effort
-        log.warning("engine discovery failed: %s", exc)
-        return []
+        return kube.label_backends(backends)
+    except Exception as exc:  # noqa: BLE001 - labels are a nicety; the backends stand without them
+        log.warning("reading the Kubernetes labels of the backends failed: %s", exc)
+        return backends
 
 
 #: ``progress(name, status)``: ``status`` None when collector ``name`` starts building (a BPF
@@ -158,6 +156,8 @@ def build_collectors(
                 running.append(GuardedCollector(COLLECTOR_FACTORIES[name](config, backends)))
             except CollectorUnavailable as exc:
                 unavailable[name] = CollectorStatus(CollectorState.UNAVAILABLE, str(exc))
+            except CollectorUsageError:
+                raise  # the user's input is wrong (--nvml-replay FILE): the command exits 64 naming it
             except Exception as exc:  # noqa: BLE001 - one broken collector must not stop the agent
                 log.warning("collector %s failed to start: %s", name, exc)
                 unavailable[name] = CollectorStatus(CollectorState.UNAVAILABLE, f"failed to start: {type(exc).__name__}: {exc}")

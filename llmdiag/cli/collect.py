@@ -60,27 +60,10 @@ def _started(stream: Iterator[Snapshot]) -> Iterator[Snapshot]:
     return whole()
 
 
-def _replay_problem(path: str) -> str | None:
-    """Why ``path`` is not a usable NVML replay file (missing, not text, not the format), or None."""
-    from llmdiag.collectors.nvml_replay import ReplayNvml  # noqa: PLC0415 - only with --nvml-replay
-
-    try:
-        ReplayNvml.from_file(path)
-    except UnicodeDecodeError as exc:
-        return f"not a text file ({exc.reason} at byte {exc.start})"
-    except ValueError as exc:  # ReplayError: unreadable, not JSON, not llmdiag.nvml-replay/v1
-        return str(exc)
-    return None
-
-
 def handle(args: argparse.Namespace, config: Config) -> int:
     if args.interval is not None:
         config = dataclasses.replace(config, agent=dataclasses.replace(config.agent, interval_seconds=args.interval))
     if args.nvml_replay:
-        problem = _replay_problem(args.nvml_replay)
-        if problem:  # a usage error here, not a gpu collector quietly "unavailable" and exit 0
-            print(f"llmdiag collect: --nvml-replay {args.nvml_replay}: {problem}", file=sys.stderr)
-            return EX_USAGE
         config = dataclasses.replace(config, gpu=dataclasses.replace(config.gpu, replay_file=args.nvml_replay))
     names = args.collectors  # None = all; never empty (name_list)
     try:

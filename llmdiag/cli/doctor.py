@@ -5,8 +5,12 @@ Every check has a status (``ok``, ``degraded``, ``unavailable``), a detail
 kprobes, fentry, BTF or BPF run-time stats: nothing is lost without it).
 ``--json`` prints ``{"checks": [{"name", "status", "detail", "hint", "optional"}],
 "collectors_can_run": bool}``. The exit code is 0 when the BPF collectors can
-run (bpf(2), bcc, kernel headers, tracefs and the core TCP tracepoints all
-work) and 1 otherwise; engine, /proc and GPU collectors need none of that.
+run (bpf(2), bcc, kernel headers, tracefs and the tcp collector's required
+attach points all work) and 1 otherwise; engine, /proc and GPU collectors need
+none of that. The attach points checked (``tracepoint:sock:inet_sock_set_state``,
+``raw_tracepoint:...``, ``kprobe:...``, ``uprobe:libcuda.so:...``) are the ones the
+collectors declare (:func:`llmdiag.collectors.attach_points.all_attach_points`),
+and NVML is asked through :func:`llmdiag.collectors.nvml.probe_nvml`.
 Run as a non-root user, the checks that need root say so instead of failing.
 With ``--backend URL`` (or ``[[backends]]`` in the config) it also scrapes
 each backend's ``/metrics`` once and names the engine that answers.
@@ -21,10 +25,14 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmdiag.bpf import features
+from llmdiag.collectors.attach_points import all_attach_points
+from llmdiag.collectors.base import AttachNeed
 from llmdiag.collectors.discovery import discover_engines
+from llmdiag.collectors.nvml import probe_nvml
 from llmdiag.config import Config
 
 if TYPE_CHECKING:
@@ -32,27 +40,8 @@ if TYPE_CHECKING:
 
 OK, DEGRADED, UNAVAILABLE = "ok", "degraded", "unavailable"
 
-#: Tracepoints the collectors use (SPEC section 2), and which collector needs each.
-TRACEPOINTS = (
-    ("sock", "inet_sock_set_state", "tcp: connection lifecycle, TIME_WAIT entries"),
-    ("tcp", "tcp_sendmsg_locked", "tcp: sends (kprobe tcp_sendmsg on older kernels)"),
-    ("sock", "sock_send_length", "tcp: bytes sent per socket"),
-    ("tcp", "tcp_retransmit_skb", "tcp: retransmits"),
-    ("tcp", "tcp_send_reset", "tcp: resets sent"),
-    ("tcp", "tcp_receive_reset", "tcp: resets received"),
-    ("tcp", "tcp_probe", "tcp: sampled srtt"),
-    ("sock", "sock_exceed_buf_limit", "tcp: socket memory pressure"),
-    ("syscalls", "sys_enter_sendmsg", "http2: frames sent"),
-    ("syscalls", "sys_enter_sendto", "http2: frames sent"),
-    ("syscalls", "sys_enter_write", "http2: frames sent"),
-    ("syscalls", "sys_enter_writev", "http2: frames sent"),
-    ("syscalls", "sys_exit_recvmsg", "http2: frames received"),
-    ("syscalls", "sys_exit_recvfrom", "http2: frames received"),
-    ("syscalls", "sys_exit_read", "http2: frames received"),
-    ("syscalls", "sys_exit_readv", "http2: frames received"),
-)
-#: Without these the TCP collector cannot run at all.
-CORE_TRACEPOINTS = {("sock", "inet_sock_set_state"), ("tcp", "tcp_sendmsg_locked")}
+#: Attach-point kinds that are upgrades or fallbacks when a collector does not require them.
+_OPTIONAL_KINDS = {"raw_tracepoint", "kprobe"}
 #: Upgrades over the tracepoint path: shown apart, never as gaps.
 OPTIONAL = {"btf", "kprobe", "fentry", "bpf_stats"}
 
@@ -121,33 +110,67 @@ def _btf() -> Check:
                  "" if probe else "fentry/CO-RE upgrades need BTF; the tracepoint collectors do not")
 
 
+def _tracefs_denied(sys_root: str = "/sys") -> str | None:
+    """The tracefs ``events`` directory this user may not read (tracefs is 0700 root), or None.
+
+    The feature probes read a denied tracefs as "absent"; doctor must say "needs root"
+    instead, or a non-root user is told the kernel lacks what it has."""
+    for rel in ("kernel/tracing", "kernel/debug/tracing"):
+        events = Path(sys_root) / rel / "events"
+        try:
+            events.is_dir()
+        except PermissionError:
+            return str(events)
+    return None
+
+
+def _needs_root(name: str, denied: str) -> Check:
+    return Check(name, UNAVAILABLE, f"needs root/CAP_BPF: permission denied ({denied})", _NEEDS_ROOT_HINT)
+
+
 def _tracefs() -> Check:
+    denied = _tracefs_denied()
+    if denied:
+        return _needs_root("tracefs", denied)
     root, what = features.ensure_tracefs()
     return Check("tracefs", OK if root else UNAVAILABLE, what,
                  "" if root else "mount -t tracefs tracefs /sys/kernel/tracing (needs root)")
 
 
-def _tracepoint(category: str, event: str, used_for: str) -> Check:
-    exists = features.tracepoint_exists(category, event)
-    core = (category, event) in CORE_TRACEPOINTS
-    status = OK if exists else (UNAVAILABLE if core else DEGRADED)
-    hint = ""
-    if not exists:
-        hint = "kprobe tcp_sendmsg is used instead where kprobes exist" if event == "tcp_sendmsg_locked" else (
-            "the signal it feeds will be missing on this kernel")
-    return Check(f"tracepoint:{category}:{event}", status, f"{'present' if exists else 'missing'} ({used_for})", hint)
+def _attach_check(need: AttachNeed) -> Check:
+    """One attach point a collector declares, checked on this kernel."""
+    name = f"{need.kind}:{need.target}"
+    what = f"({need.collector}: {need.purpose or need.kind})"
+    optional = not need.required and need.kind in _OPTIONAL_KINDS
+    denied = _tracefs_denied()
+    if denied and need.kind != "raw_tracepoint":  # these are looked up in tracefs
+        return replace(_needs_root(name, denied), optional=optional)
+    present = need.present()
+    if present is None:  # a raw tracepoint needs bcc to probe it: the collector says at start-up
+        return Check(name, DEGRADED, f"not probed here {what}",
+                     "`llmdiag collect --once --json` shows in the collector's status what it attached", optional)
+    if present:
+        return Check(name, OK, f"present {what}", optional=optional)
+    if need.required:
+        return Check(name, UNAVAILABLE, f"missing {what}", f"the {need.collector} collector cannot run on this kernel")
+    return Check(name, DEGRADED, f"missing {what}",
+                 "not needed: a fallback or upgrade" if optional else "the signal it feeds will be missing on this kernel",
+                 optional)
 
 
-def _tracepoints() -> list[Check]:
+def _attach_points() -> list[Check]:
+    """What the BPF collectors attach to, as each declares it (the collectors own the list)."""
     checks: list[Check] = []
-    for category, event, used_for in TRACEPOINTS:
-        name = f"tracepoint:{category}:{event}"
-        checks += _guarded(name, lambda c=category, e=event, u=used_for: _tracepoint(c, e, u))
+    for need in all_attach_points():
+        checks += _guarded(f"{need.kind}:{need.target}", lambda n=need: _attach_check(n))
     return checks
 
 
 def _kprobes() -> Check:
     probe = features.kprobes_supported()
+    denied = _tracefs_denied()
+    if not probe and denied:  # no kprobe PMU, and kprobe_events could not be looked for
+        return replace(_needs_root("kprobe", denied), optional=True)
     return Check("kprobe", OK if probe else UNAVAILABLE, probe.detail,
                  "" if probe else "not needed here: the collectors attach to tracepoints first")
 
@@ -162,6 +185,9 @@ def _fentry(bcc_ok: bool) -> Check:
 
 def _uprobes() -> Check:
     probe = features.uprobes_supported()
+    denied = _tracefs_denied()
+    if not probe and denied:
+        return _needs_root("uprobe", denied)
     return Check("uprobe", OK if probe else UNAVAILABLE, probe.detail,
                  "" if probe else "the CUDA allocation tracer needs CONFIG_UPROBE_EVENTS")
 
@@ -189,22 +215,13 @@ def _bpf_stats() -> Check:
 
 
 def _nvml() -> Check:
-    try:
-        import pynvml  # noqa: PLC0415 - optional at run time
-    except ImportError:
-        return Check("nvml", UNAVAILABLE, "nvidia-ml-py is not installed", "pip install nvidia-ml-py")
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        return Check("nvml", UNAVAILABLE, f"NVML could not start: {exc}",
-                     "no NVIDIA driver here: GPU signals are skipped (install the driver / use the NVIDIA container runtime)")
-    try:
-        count = pynvml.nvmlDeviceGetCount()
-        driver = pynvml.nvmlSystemGetDriverVersion()
-    finally:
-        pynvml.nvmlShutdown()
-    return Check("nvml", OK if count else DEGRADED, f"driver {driver}, {count} GPU(s)",
-                 "" if count else "NVML works but sees no GPU")
+    probe = probe_nvml()  # collectors/nvml.py owns NVML: doctor never touches pynvml itself
+    if not probe.ok:
+        return Check("nvml", UNAVAILABLE, f"NVML could not start: {probe.reason}",
+                     probe.hint or "GPU signals are skipped without NVML")
+    if not probe.device_count:
+        return Check("nvml", DEGRADED, f"driver {probe.driver_version}, no GPU", "NVML works but sees no GPU")
+    return Check("nvml", OK, f"driver {probe.driver_version}, {probe.device_count} GPU(s)")
 
 
 def _engines(config: Config) -> Check:
@@ -214,7 +231,8 @@ def _engines(config: Config) -> Check:
     except Exception as exc:  # noqa: BLE001 - doctor reports, never crashes
         return Check("engines", DEGRADED, f"discovery failed: {exc}", "pass engines with --backend URL")
     names = [f"{b.engine or '?'} at {b.url}" + (f" (pid {b.pid})" if b.pid else "") for b in found]
-    detail = f"{len(found)} engine(s) on local listening ports" + (f": {'; '.join(names)}" if names else "")
+    shown = names[:8] + ([f"and {len(names) - 8} more"] if len(names) > 8 else [])  # a readable line, not a page
+    detail = f"{len(found)} engine(s) on local listening ports" + (f": {'; '.join(shown)}" if names else "")
     if configured:
         detail += f"; {len(configured)} configured"
     if not found and not configured:
@@ -267,7 +285,7 @@ def run_checks(config: Config) -> list[Check]:
         ("bpf_syscall", _bpf_syscall),
         ("btf", _btf),
         ("tracefs", _tracefs),
-        ("tracepoints", _tracepoints),
+        ("attach_points", _attach_points),
         ("kprobe", _kprobes),
         ("uprobe", _uprobes),
         ("kernel_headers", _headers),
@@ -287,40 +305,47 @@ def run_checks(config: Config) -> list[Check]:
 
 def collectors_can_run(checks: list[Check]) -> bool:
     by_name = {c.name: c for c in checks}
-    needed = ["bpf_syscall", "tracefs", "bcc", "kernel_headers"] + [f"tracepoint:{c}:{e}" for c, e in sorted(CORE_TRACEPOINTS)]
+    # The tcp collector is the base of the BPF signals: its required attach points decide.
+    core = [f"{n.kind}:{n.target}" for n in all_attach_points() if n.collector == "tcp" and n.required]
+    needed = ["bpf_syscall", "tracefs", "bcc", "kernel_headers", *core]
     return all(n in by_name and by_name[n].status != UNAVAILABLE for n in needed)
+
+
+def _is_attach_point(check: Check) -> bool:
+    kind, _, target = check.name.partition(":")
+    return bool(target) and kind in {"tracepoint", "raw_tracepoint", "kprobe", "uprobe"}
 
 
 #: Sections of the text report: (title, does this check belong here).
 _SECTIONS: tuple[tuple[str, Callable[[Check], bool]], ...] = (
     ("Needed by the BPF collectors (tcp, timewait, http2, cuda)",
-     lambda c: not c.optional and not c.name.startswith(("tracepoint:", "nvml", "engines", "backend:"))),
-    ("Tracepoints", lambda c: c.name.startswith("tracepoint:")),
-    ("Optional upgrades (nothing is lost without them)", lambda c: c.optional),
+     lambda c: not c.optional and not _is_attach_point(c) and not c.name.startswith(("nvml", "engines", "backend:"))),
+    ("Attach points (as the collectors declare them)", _is_attach_point),
+    ("Optional upgrades (nothing is lost without them)", lambda c: c.optional and not _is_attach_point(c)),
     ("GPU and engines", lambda c: c.name.startswith(("nvml", "engines", "backend:"))),
 )
 _MARKS = {OK: ("ok", "green"), DEGRADED: ("!!", "yellow"), UNAVAILABLE: ("no", "red")}
 
 
-def _fold_tracepoints(rows: list[Check]) -> list[Check]:
-    """The present tracepoints as one line, and the ones that could not be checked (no
-    root) as one line; only missing tracepoints keep a line each."""
-    present = [c for c in rows if c.status == OK]
+def _fold_attach_points(rows: list[Check]) -> list[Check]:
+    """The present attach points as one line, and the ones that could not be checked (no
+    root) as one line; only the missing or unprobed ones keep a line each."""
+    present = [c for c in rows if c.status == OK and c.detail.startswith("present")]
     unchecked = [c for c in rows if c.detail.startswith("needs root")]
     missing = [c for c in rows if c not in present and c not in unchecked]
     folded = []
     if present:
-        users = sorted({c.detail.rsplit("(", 1)[-1].split(":", 1)[0] for c in present})
+        users = list(dict.fromkeys(c.detail.split("(", 1)[-1].split(":", 1)[0] for c in present))  # in declared order
         everything = "all " if len(present) == len(rows) else ""
-        folded.append(Check("tracepoints", OK, f"{everything}{len(present)} present (used by {', '.join(users)})"))
+        folded.append(Check("attach points", OK, f"{everything}{len(present)} present (used by {', '.join(users)})"))
     if unchecked:
-        folded.append(replace(unchecked[0], name=f"tracepoints ({len(unchecked)})"))
+        folded.append(replace(unchecked[0], name=f"attach points ({len(unchecked)})"))
     return folded + missing
 
 
 def _print_report(checks: list[Check], can_run: bool, console: Console | None = None) -> None:
     """One line per check and an indented hint: readable at 80 columns, where a four-column
-    table is not. Tracepoints that are all present fold into one line. Every string from a
+    table is not. Attach points that are present fold into one line. Every string from a
     probe goes in as Text, never as markup: "[[backends]]" or "[Errno 13]" must print as is."""
     from rich.console import Console  # noqa: PLC0415
     from rich.padding import Padding  # noqa: PLC0415
@@ -335,8 +360,8 @@ def _print_report(checks: list[Check], can_run: bool, console: Console | None = 
             continue
         console.print()
         console.print(Text(title, style="bold underline"))
-        if title == "Tracepoints":
-            rows = _fold_tracepoints(rows)
+        if title.startswith("Attach points"):
+            rows = _fold_attach_points(rows)
         grid = Table.grid(padding=(0, 1))
         grid.add_column(width=2, no_wrap=True)
         grid.add_column(overflow="fold")  # wrapped lines keep the indent of the text, not the mark
@@ -345,7 +370,7 @@ def _print_report(checks: list[Check], can_run: bool, console: Console | None = 
             if c.optional and c.status != OK:
                 mark, colour = "--", "dim"  # an upgrade this kernel lacks, not a gap
             body = Text()
-            body.append(c.name.removeprefix("tracepoint:"), style="bold")
+            body.append(c.name, style="bold")
             body.append(f"  {c.detail}")
             if c.hint:
                 body.append(f"\n-> {c.hint}", style="italic")

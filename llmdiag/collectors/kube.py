@@ -21,10 +21,11 @@ labels need is already on the node, in the engine process itself:
                    kube-state-metrics' ``container_id`` label
 =================  ===========================================================
 
-A label whose source is missing or unreadable is absent: never guessed. The
-reads that need privilege (``/proc/PID/environ`` and ``/proc/PID/root`` of
-another user's process) need ``CAP_SYS_PTRACE``; without it those labels are
-absent and the cgroup labels remain.
+A label whose source is missing or unreadable is absent: never guessed. For
+another user's process, ``/proc/PID/environ`` (mode 0400) needs
+``CAP_DAC_READ_SEARCH`` and ``/proc/PID/root`` needs ``CAP_SYS_PTRACE``
+(measured in tests/root/test_deploy_capabilities.py); without them those
+labels are absent and the cgroup labels remain.
 
 Quirks handled here (each has a fixture test):
 

@@ -51,6 +51,10 @@ class PickerConfig:
     #: Models the discovered backends serve (empty = any model).
     discover_models: tuple[str, ...] = ()
     discover_interval_seconds: float = 5.0
+    #: Active probes of each backend (SPEC 6.3: a 1-token completion every ``[balancer]
+    #: probe_interval_seconds``, every ``probe_ejected_interval_seconds`` while ejected): what re-admits an
+    #: ejected engine before its ejection time is out, since the picker sends it no traffic meanwhile.
+    probes: bool = True
     #: Node agents' base URLs whose ``/v1/penalties`` feed the balancer (``--agent URL`` replaces this list).
     agents: tuple[str, ...] = ()
     #: Bearer token sent to the agents ("" = none).

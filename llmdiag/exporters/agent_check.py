@@ -7,10 +7,10 @@ because ``drain`` and ``down`` are sticky in HAProxy until ``ready`` / ``up``:
 =====================================  =====================================
 backend state                          reply
 =====================================  =====================================
-healthy, degraded, warming, half_open  ``up ready 64%`` (the weight percent, an integer)
-cooling                                ``up drain`` (no new sessions; running ones finish)
-ejected                                ``down ready #<why>`` (the space before ``#`` matters)
-unknown server name                    ``up ready 100%`` (fail open: a typo never takes a server down)
+healthy, degraded, warming, half_open  ``ready up 64%`` (the weight percent, an integer)
+cooling                                ``drain up`` (no new sessions; running ones finish)
+ejected                                ``ready down #<why>`` (the space before ``#`` matters)
+unknown server name                    ``ready up 100%`` (fail open: a typo never takes a server down)
 =====================================  =====================================
 
 ``maxconn:N`` is appended when configured. ``N%`` is relative to the server's
@@ -27,7 +27,7 @@ from llmdiag.model import BackendPenalty, BackendState
 __all__ = ["UNKNOWN_REPLY", "agent_check_reply", "find_backend"]
 
 #: What an unknown name gets: full weight (never take a server down for a name mismatch).
-UNKNOWN_REPLY = "up ready 100%\n"
+UNKNOWN_REPLY = "ready up 100%\n"
 
 # HAProxy's agent parser splits words on spaces, tabs and commas, and a '#' starts the free text
 # up to the end of the line: keep the reason on one line and free of control characters.
@@ -36,15 +36,16 @@ _UNSAFE = re.compile(r"[\x00-\x1f\x7f]+")
 
 def agent_check_reply(entry: BackendPenalty | None, maxconn: int = 0) -> str:
     """The one-line reply (with its newline) for one backend, or :data:`UNKNOWN_REPLY` for ``None``."""
+    # The admin word (ready/drain) and the operational word (up/down) both, every time.
     if entry is None:
-        words = ["up", "ready", "100%"]
+        words = ["ready", "up", "100%"]
     elif entry.state is BackendState.EJECTED:
         why = entry.reasons[0].summary if entry.reasons else "ejected"
-        words = ["down", "ready", "#" + (_UNSAFE.sub(" ", why).strip()[:200] or "ejected")]
+        words = ["ready", "down", "#" + (_UNSAFE.sub(" ", why).strip()[:200] or "ejected")]
     elif entry.state is BackendState.COOLING:
-        words = ["up", "drain"]
+        words = ["drain", "up"]
     else:
-        words = ["up", "ready", f"{int(entry.weight_percent)}%"]
+        words = ["ready", "up", f"{int(entry.weight_percent)}%"]
     if maxconn > 0 and entry is not None:
         # maxconn goes before the comment: everything after '#' is free text.
         words.insert(2, f"maxconn:{maxconn}")

@@ -13,7 +13,7 @@ Names follow docs/agent.md (agreed with the deployment's alerts and dashboard):
   ``llmdiag_bpf_run_time_seconds_total{program}``, ``llmdiag_bpf_run_count_total{program}``;
 * the agent itself: ``llmdiag_tick_duration_seconds`` (histogram), ``llmdiag_last_tick_timestamp_seconds``,
   ``llmdiag_ticks_total``, ``llmdiag_ticks_missed_total``, ``llmdiag_agent_check_requests_total{result}``,
-  ``llmdiag_agent_check_unknown_server_total``.
+  ``llmdiag_agent_check_unknown_server_total``, ``llmdiag_http_unauthorized_total``.
 
 The collector only reads what it is given (an :class:`AgentState` and an
 :class:`AgentTelemetry`, both immutable); it does no IO, so a scrape never waits on a collector.
@@ -90,6 +90,8 @@ class AgentTelemetry:
     bpf_run_count: Mapping[str, int] = field(default_factory=dict)  # program -> runs
     agent_check_requests: Mapping[str, int] = field(default_factory=dict)  # result -> count
     agent_check_unknown_server_total: int = 0
+    collector_seconds: Mapping[str, float] = field(default_factory=dict)  # collector -> last tick's seconds
+    http_unauthorized_total: int = 0
 
 
 def _number(value: Any) -> float | None:
@@ -259,7 +261,11 @@ class StateCollector(Collector):
             run_time.add_metric([prog], seconds)
         for prog, n in sorted(tel.bpf_run_count.items()):
             run_count.add_metric([prog], n)
-        for fam in (up, status, errors, lost, run_time, run_count):
+        duration = GaugeMetricFamily("llmdiag_collector_duration_seconds", "Seconds the collector took in the last tick",
+                                     labels=["collector"])
+        for name, seconds in sorted(tel.collector_seconds.items()):
+            duration.add_metric([name], seconds)
+        for fam in (up, status, errors, lost, run_time, run_count, duration):
             out.by_name[fam.name] = fam
 
     @staticmethod
@@ -281,4 +287,6 @@ class StateCollector(Collector):
             req.add_metric([result], n)
         yield req
         yield CounterMetricFamily("llmdiag_agent_check_unknown_server", "Agent-check requests naming no known backend "
-                                  "(answered up ready 100%)", value=tel.agent_check_unknown_server_total)
+                                  "(answered ready up 100%)", value=tel.agent_check_unknown_server_total)
+        yield CounterMetricFamily("llmdiag_http_unauthorized", "HTTP requests refused for a missing or wrong bearer token",
+                                  value=tel.http_unauthorized_total)

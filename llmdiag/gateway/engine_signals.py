@@ -7,7 +7,8 @@ every backend with the real engine collector (:mod:`llmdiag.collectors.engine`,
 in a worker thread: it blocks) every ``interval`` seconds and hands each
 backend's aggregated signals to the balancer. A backend whose scrape fails
 gets nothing (unknown, never zero): only ``up`` goes through, so a restart
-(``up`` 0 -> 1) starts its warm-up ramp.
+(``up`` 0 -> 1) starts its warm-up ramp. Scrapes reuse one keep-alive
+connection per backend (the collectors' :class:`~llmdiag.collectors.http_fetch.KeepAlivePool`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from llmdiag.collectors.engine import EngineCollector
+from llmdiag.collectors.http_fetch import KeepAlivePool
 from llmdiag.config.engine import EngineConfig
 from llmdiag.model import Scope
 from llmdiag.router_feedback.balancer import Balancer
@@ -38,6 +40,7 @@ class EngineSignals:
         self.config = config or EngineConfig()
         self.interval = interval
         self._collector: EngineCollector | None = None
+        self._fetch = KeepAlivePool()  # one kept-alive connection per backend, across collector rebuilds
         self._names: tuple[str, ...] = ()
         self.rounds_total = 0
 
@@ -49,7 +52,7 @@ class EngineSignals:
                 a is not b for a, b in zip(self._collector.backends, backends)):
             if self._collector is not None:
                 self._collector.close()
-            self._collector = EngineCollector(backends, self.config)
+            self._collector = EngineCollector(backends, self.config, fetch=self._fetch)
             self._names = names
         per: dict[str, dict[str, Any]] = {}
         for s in self._collector.collect(time.monotonic()):
@@ -74,6 +77,7 @@ class EngineSignals:
         finally:
             if self._collector is not None:
                 self._collector.close()
+            self._fetch.close()
 
 
 def _usable(signals: Mapping[str, Any]) -> dict[str, Any]:

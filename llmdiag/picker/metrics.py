@@ -19,7 +19,8 @@
   finished, by the picker's own count), ``llmdiag_picker_backend_load``, ``llmdiag_picker_backend_score``;
 - with node agents (``--agent``): ``llmdiag_picker_backend_penalty`` (the agents' penalty applied),
   ``llmdiag_picker_agent_up{agent}`` (1 while its document is fresh),
-  ``llmdiag_picker_agent_fetch_errors_total{agent}``, ``llmdiag_picker_agent_stale_documents_total``.
+  ``llmdiag_picker_agent_fetch_errors_total{agent}``, ``llmdiag_picker_agent_stale_documents_total``;
+- with active probes: ``llmdiag_picker_probes_total``, ``llmdiag_picker_probe_failures_total``.
 """
 
 from __future__ import annotations
@@ -92,6 +93,16 @@ class _AgentGauges(Collector):
         yield stale
 
 
+class _ProbeCounters(Collector):
+    def __init__(self, counts: Callable[[], tuple[int, int]]) -> None:
+        self._counts = counts
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        probes, failures = self._counts()
+        yield CounterMetricFamily("llmdiag_picker_probes", "Active probes sent to backends.", value=probes)
+        yield CounterMetricFamily("llmdiag_picker_probe_failures", "Active probes that failed.", value=failures)
+
+
 class PickerMetrics:
     """Counters and histograms in their own registry; label children resolved once per backend."""
 
@@ -123,6 +134,10 @@ class PickerMetrics:
     def watch_agents(self, agents: Any) -> None:
         """Register the node agents' gauges (an :class:`~llmdiag.router_feedback.agent_penalties.AgentPenalties`)."""
         self.registry.register(_AgentGauges(agents))
+
+    def watch_probes(self, counts: Callable[[], tuple[int, int]]) -> None:
+        """Register the active probes' counters: ``counts()`` gives (probes, failed probes)."""
+        self.registry.register(_ProbeCounters(counts))
 
     def picked(self, backend: str) -> None:
         child = self._pick_children.get(backend)

@@ -21,6 +21,7 @@ from llmdiag.config.picker import split_listen
 from llmdiag.picker.discovery import DnsBackends
 from llmdiag.picker.service import EndpointPickerService
 from llmdiag.router_feedback.agent_penalties import AgentPenalties
+from llmdiag.router_feedback.probes import AiohttpProbeClient, ProbeRunner
 
 __all__ = ["SERVICE_NAME", "PickerServer"]
 
@@ -46,6 +47,10 @@ class PickerServer:
         self.discovery = discovery
         self._static = list(service.balancer.backends)
         self._discovery_task: asyncio.Task[None] | None = None
+        self.probes: ProbeRunner | None = None
+        if service.config.probes:
+            service.metrics.watch_probes(
+                lambda: (self.probes.probes_total, self.probes.probe_failures_total) if self.probes else (0, 0))
         self._session: aiohttp.ClientSession | None = None
         self._stop = asyncio.Event()
         self._agent_task: asyncio.Task[None] | None = None
@@ -116,12 +121,20 @@ class PickerServer:
             self._runner = runner
             sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
             self.metrics_port = sockets[0].getsockname()[1] if sockets else mport
-        if self.agents is not None:
+        if self.agents is not None or config.probes:
             self._session = aiohttp.ClientSession()
+        if self.agents is not None:
             self._agent_task = asyncio.create_task(self.agents.run(self._session, self.service.balancer, self._stop))
+        if config.probes:
+            balancer = self.service.balancer
+            self.probes = ProbeRunner(balancer, AiohttpProbeClient(balancer.config.probe_prompt, session=self._session))
+            self.probes.start()
 
     async def stop(self, grace: float = 1.0) -> None:
         self._stop.set()
+        if self.probes is not None:
+            await self.probes.close()
+            self.probes = None
         if self._discovery_task is not None:
             self._discovery_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

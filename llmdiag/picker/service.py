@@ -125,8 +125,12 @@ class EndpointPickerService:
                         metrics.failures["internal"].inc()
                         log.exception("picker bookkeeping failed")
         finally:
-            exchange.close()
             metrics.streams_active.dec()
+            try:
+                exchange.close()
+            except Exception:  # noqa: BLE001 - a bug in bookkeeping must not hide how the stream ended
+                metrics.failures["internal"].inc()
+                log.exception("picker bookkeeping failed at the end of a stream")
 
 
 class _Exchange:

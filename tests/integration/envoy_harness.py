@@ -111,8 +111,9 @@ def wait_http(url: str, deadline_s: float, proc: Proc | None = None) -> None:
     raise RuntimeError(f"{url} not ready after {deadline_s} s ({last}); {proc.log() if proc else ''}")
 
 
-def start_fake_engine(tmp: Path, name: str, *args: str, model: str = "fake/llama3-8b") -> tuple[Proc, int]:
-    port = free_port()
+def start_fake_engine(tmp: Path, name: str, *args: str, model: str = "fake/llama3-8b",
+                      port: int = 0) -> tuple[Proc, int]:
+    port = port or free_port()
     proc = Proc([sys.executable, "-m", "llmdiag.cli", "fake-engine", "--port", str(port), "--model", model,
                  "--engine-label", name, *args], tmp / f"engine-{name}.log", _llmdiag_env())
     wait_http(f"http://127.0.0.1:{port}/health", 20, proc)

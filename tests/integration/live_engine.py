@@ -29,6 +29,21 @@ from llmdiag.sim.faults import parse_faults
 REPO = Path(__file__).resolve().parents[2]
 
 
+class _RecordingEngine(FakeEngine):
+    """A fake engine that notes, for every ``/metrics`` request, the client's port and its
+    ``Connection`` header (llmdiag's kept-alive scrapes send none; one-shot GETs, such as
+    other processes' engine discovery, send ``close``)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.metrics_requests: list[tuple[int, str]] = []
+
+    async def _metrics(self, request):  # type: ignore[no-untyped-def]
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        self.metrics_requests.append((peer[1] if peer else 0, request.headers.get("Connection", "").lower()))
+        return await super()._metrics(request)
+
+
 class LoadedEngine:
     def __init__(self, faults: str, rps: float) -> None:
         self.faults, self.rps = faults, rps
@@ -39,10 +54,16 @@ class LoadedEngine:
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
         self.error: BaseException | None = None
+        self.engine: _RecordingEngine | None = None
+
+    @property
+    def metrics_requests(self) -> list[tuple[int, str]]:
+        """``(client port, Connection header)`` of every /metrics request so far."""
+        return list(self.engine.metrics_requests) if self.engine is not None else []
 
     async def _main(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        engine = FakeEngine(FakeEngineOptions(port=0, faults=parse_faults(self.faults)))
+        engine = self.engine = _RecordingEngine(FakeEngineOptions(port=0, faults=parse_faults(self.faults)))
         try:
             await engine.start()
             self.url = engine.url
@@ -89,6 +110,41 @@ class LoadedEngine:
 
 def loaded_engine(faults: str = "", rps: float = 20.0) -> LoadedEngine:
     return LoadedEngine(faults, rps)
+
+
+def llmdiag_process(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    """``python -m llmdiag.cli ARGS`` started in the background (the caller waits for it)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "llmdiag.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+
+
+def tcp_ports_of(pid: int, remote_port: int) -> set[int]:
+    """Local ports of the TCP sockets process ``pid`` holds open towards ``remote_port``
+    (its fds' socket inodes matched in /proc/net/tcp and tcp6)."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        return set()
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, remote, inode = fields[1], fields[2], fields[9]
+            if inode in inodes and int(remote.rsplit(":", 1)[1], 16) == remote_port:
+                ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
 
 
 def llmdiag(*args: str, cwd: Path, timeout: float = 60.0, config: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -31,7 +31,7 @@ def test_the_command_line_as_typed_with_every_collector(tmp_path: Path) -> None:
             assert state["collectors"]["engine"]["status"] == "ok"
             assert agent.check_port is not None
             reply = agent_check(agent.check_port, urls[0].removeprefix("http://").encode() + b"\n")
-            assert reply.startswith("up ready ") and reply.endswith("%\n"), reply
+            assert reply.startswith("ready up ") and reply.endswith("%\n"), reply
             assert "agent-check 127.0.0.1:" in agent.log()
         finally:
             code, log, took = agent.stop()
@@ -139,3 +139,15 @@ probes = false
     finally:
         code, log, took = agent.stop()
     assert code == 0 and took < 5, log
+
+
+def test_a_config_a_collector_rejects_exits_64(tmp_path: Path) -> None:
+    """A bad input file for a collector ([gpu] replay_file) is the user's mistake: exit 64, named, no traceback."""
+    agent = AgentProcess([], tmp_path, agent_check=False,
+                         config=f'[agent]\ndiscover = false\ncollectors = ["gpu"]\n[gpu]\nreplay_file = "{tmp_path / "nope.jsonl"}"\n')
+    try:
+        code = agent.proc.wait(timeout=60)
+    finally:
+        _, log, _ = agent.stop()
+    assert code == 64, log
+    assert "nope.jsonl" in log and "Traceback" not in log, log

@@ -198,8 +198,8 @@ backend llm
             # The healthy engines were never taken out.
             assert not [s for s in history if s.name != "vllm-2" and (s.down or s.drained)], _story(history)
             # The same port also answers by ip:port, and an unknown name fails open.
-            assert agent_check(agent.check_port, f"{urls[0].removeprefix('http://')}\n".encode()).startswith("up ready ")
-            assert agent_check(agent.check_port, b"llm/nosuch\n") == "up ready 100%\n"
+            assert agent_check(agent.check_port, f"{urls[0].removeprefix('http://')}\n".encode()).startswith("ready up ")
+            assert agent_check(agent.check_port, b"llm/nosuch\n") == "ready up 100%\n"
         finally:
             stop_load.set()
             loader.join(timeout=15)

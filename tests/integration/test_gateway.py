@@ -359,3 +359,48 @@ async def test_engine_metrics_reach_the_balancer() -> None:
     assert got["calm"]["requests_waiting"] == 0 and got["calm"]["up"] == 1
     assert got["silent"] == {"up": 0}  # a failed scrape is unknown, not zero
     assert balancer.score("busy") < balancer.score("calm") - 10
+
+
+def _timewait_to(port: int) -> int:
+    """TIME_WAIT sockets (state 06) whose remote port is ``port``, from /proc/net/tcp{,6}."""
+    count = 0
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(path).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "06" and int(fields[2].rsplit(":", 1)[1], 16) == port:
+                count += 1
+    return count
+
+
+async def test_pooled_connections_leave_no_time_wait_and_metrics_are_valid(tmp_path) -> None:
+    import shutil
+    import subprocess
+
+    engine = await start_engine()
+    try:
+        before = _timewait_to(engine.port)
+        async with gateway([Backend("e", engine.url)]) as gw, aiohttp.ClientSession() as session:
+            for i in range(60):
+                body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": i % 2 == 0}
+                async with session.post(gw.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+            # 60 requests over pooled keep-alive connections: a connection per request would leave 60
+            # sockets in TIME_WAIT toward the engine (the margin is for other tests' closing sockets).
+            assert _timewait_to(engine.port) - before < 5
+            async with session.get(gw.url + "/metrics") as resp:
+                text = await resp.text()
+        assert 'llmdiag_gateway_requests_total{class="ok",endpoint="/v1/completions"} 60.0' in text
+        assert 'llmdiag_gateway_picks_total{backend="e"} 60.0' in text
+        assert 'llmdiag_gateway_ttft_seconds_count{backend="e"} 30.0' in text  # the streamed half
+        assert "llmdiag_gateway_decision_seconds_bucket" in text
+        promtool = shutil.which("promtool")
+        if promtool:
+            check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+            assert check.returncode == 0, check.stdout + check.stderr
+    finally:
+        await engine.stop()

@@ -46,7 +46,7 @@ async def _agent(penalties: dict[str, float]) -> tuple[str, web.AppRunner]:
     async def handle(request: web.Request) -> web.Response:
         entries = tuple(
             BackendPenalty(f"engine-{addr}", addr, 100 * (1 - p), p, int(100 * (1 - p)), BackendState.DEGRADED,
-                           (Reason("gpu_throttling", Severity.WARNING, p, "SM clocks throttled"),))
+                           (Reason("gpu_fault", Severity.CRITICAL, p, "XID 79 on the GPU"),))
             for addr, p in penalties.items())
         doc = PenaltiesDocument(ts=time.time(), host="node", ttl_seconds=5, backends=entries)
         return web.Response(text=doc.dumps(), content_type="application/json")

@@ -51,7 +51,8 @@ class Fleet:
         self.engines["dead"] = free_port()  # nothing listens there: connections are refused
         models = {"a": MODEL, "b": MODEL, "bad": "bad/model", "stall": "stall/model", "dead": "bad/model"}
         config = tmp / "picker.toml"
-        config.write_text("[picker]\nmax_body_bytes = 65536\n" + "".join(
+        # No active probes here: they are real completions, and these tests count each engine's requests.
+        config.write_text("[picker]\nmax_body_bytes = 65536\nprobes = false\n" + "".join(
             f'[[backends]]\nname = "{n}"\nurl = "http://127.0.0.1:{p}"\nmodels = ["{models[n]}"]\n'
             for n, p in self.engines.items()))
         self.config = config
@@ -355,7 +356,10 @@ def test_model_header_fast_path_routes_with_the_body_intact(fleet):
 def test_discovered_backends_are_routed(fleet, tmp_path):
     """``--discover HOST:PORT`` with no configured backend: the address it resolves to gets the traffic."""
     grpc_port, metrics_port = free_port(), free_port()
-    picker = start_picker(tmp_path, [], grpc_port, metrics_port, "--discover", fleet.address("b"), name="picker-dns")
+    config = tmp_path / "dns.toml"
+    config.write_text("[picker]\nprobes = false\n")  # the test counts the engine's requests
+    picker = start_picker(tmp_path, [], grpc_port, metrics_port, "--discover", fleet.address("b"), config=config,
+                          name="picker-dns")
     envoy, listen, _ = start_envoy(tmp_path, "picker", picker_port=grpc_port, name="envoy-dns")
     try:
         assert json.loads(request("GET", f"http://127.0.0.1:{metrics_port}/healthz")[2])["backends"] == [fleet.address("b")]
@@ -372,8 +376,10 @@ def test_discovered_backends_are_routed(fleet, tmp_path):
 
 def test_tls_between_envoy_and_the_picker(fleet, tmp_path):
     """The inference gateways talk TLS to their picker: tls_cert_file/tls_key_file, a self-signed pair."""
+    import shutil
     import subprocess
 
+    require_tool(shutil.which("openssl") is not None, "openssl")
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=llmdiag-picker",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
@@ -392,3 +398,38 @@ def test_tls_between_envoy_and_the_picker(fleet, tmp_path):
         tls.stop()
         plain.stop()
         picker.stop()
+
+
+def test_active_probes_reach_the_engines(fleet, tmp_path):
+    """``[picker] probes``: a 1-token completion per backend, independent of traffic (none is sent here)."""
+    config = tmp_path / "probes.toml"
+    config.write_text("[balancer]\nprobe_interval_seconds = 0.5\n")
+    before = fleet.engine_successes("a")
+    grpc_port, metrics_port = free_port(), free_port()
+    picker = start_picker(tmp_path, [f"http://{fleet.address('a')}"], grpc_port, metrics_port, config=config,
+                          name="picker-probes")
+    try:
+        end = time.monotonic() + 10
+        probes: dict[str, float] = {}
+        while time.monotonic() < end:
+            probes = metric_values(request("GET", f"http://127.0.0.1:{metrics_port}/metrics")[2].decode(),
+                                   "llmdiag_picker_probes_total")
+            if probes.get("", 0) >= 2:
+                break
+            time.sleep(0.2)
+        assert probes.get("", 0) >= 2
+        assert fleet.engine_successes("a") >= before + 2
+    finally:
+        picker.stop()
+
+
+def test_metrics_pass_promtool(fleet):
+    import shutil
+    import subprocess
+
+    require_tool(shutil.which("promtool") is not None, "promtool (prometheus)")
+    assert fleet.post({"model": MODEL, "prompt": "hi", "max_tokens": 2})[0] == 200
+    text = fleet.metrics()
+    assert "llmdiag_picker_decision_seconds_bucket" in text
+    check = subprocess.run(["promtool", "check", "metrics"], input=text.encode(), capture_output=True, timeout=30)
+    assert check.returncode == 0, check.stdout.decode() + check.stderr.decode()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from llmdiag.model import Labelled, read_snapshots
+from llmdiag.model import Labelled, label_key, read_snapshots
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(400)]
 
@@ -39,7 +39,7 @@ def test_demo_recording_names_each_fault_on_its_backend(tmp_path: Path) -> None:
         assert snapshots[-1].collectors[name].status.value == "ok", (name, snapshots[-1].collectors[name])
     # The gRPC client's cancels reached the backend as RST_STREAM(CANCEL), seen by the http2 collector.
     rst = snapshots[-1].backends["vllm-3-grpc"]["h2_rst_stream_total"]
-    assert isinstance(rst, Labelled) and rst.get_labels(code="CANCEL", direction="received") > 20, rst
+    assert isinstance(rst, Labelled) and rst.get(label_key(code="CANCEL", direction="received"), 0) > 20, rst
 
     replay = _llmdiag("diagnose", "--replay", str(recording), "--json", timeout=120)
     assert replay.returncode == 2, replay.stderr

@@ -143,3 +143,39 @@ def test_wiring_connects_the_tcp_collector_to_timewait_explicitly(monkeypatch: p
     assert alone[0].inner.entry_source is None  # no tcp collector: entry rates from the kernel timers
     for c in running + alone:
         c.close()
+
+
+def test_concurrent_collection_gives_the_sequential_snapshot() -> None:
+    import concurrent.futures
+
+    from llmdiag.agent.ticker import collect_concurrently, collector_groups
+    from llmdiag.collectors.base import GuardedCollector, collect_snapshot
+    from llmdiag.model import CollectorState, CollectorStatus, Sample, Scope
+
+    class Fixed:
+        def __init__(self, name: str, value: float, fail: bool = False) -> None:
+            self.name, self.value, self.fail = name, value, fail
+
+        def collect(self, now: float) -> list[Sample]:
+            if self.fail:
+                raise RuntimeError("broken")
+            # Two collectors write the same host signal: the later one in the list must win, as in sequence.
+            return [Sample(Scope.HOST, "", "shared", self.value), Sample(Scope.HOST, "", f"only_{self.name}", now)]
+
+        def status(self) -> CollectorStatus:
+            return CollectorStatus(CollectorState.OK)
+
+        def close(self) -> None:
+            pass
+
+    names = ["timewait", "engine", "tcp", "proc", "broken"]
+    made = [GuardedCollector(Fixed(n, float(i), fail=n == "broken")) for i, n in enumerate(names)]
+    groups = collector_groups(made)
+    assert [[c.name for c in g] for g in groups if len(g) > 1] == [["tcp", "timewait"]]  # timewait reads tcp
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        snap, seconds = collect_concurrently(made, 5.0, "h", pool)
+    again = [GuardedCollector(Fixed(n, float(i), fail=n == "broken")) for i, n in enumerate(names)]
+    sequential = collect_snapshot(again, 5.0, "h")
+    assert snap.to_json() == sequential.to_json()
+    assert snap.host["shared"] == 4.0 - 1.0  # "proc", the last one that did not fail
+    assert set(seconds) == set(names)

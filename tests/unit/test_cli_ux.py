@@ -83,8 +83,10 @@ def _documented_commands() -> list[tuple[str, str]]:
     for doc in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
         text = doc.read_text(encoding="utf-8")
         blocks = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)
-        # Inline spans only when they carry options: a bare `llmdiag top` names a command (maybe a planned one).
-        spans = [s for s in re.findall(r"`((?:sudo )?llmdiag [^`]+)`", text) if " -" in s]
+        # Inline spans in the CLI docs (README) and docs/http2.md (whose example the issue names), only
+        # when they carry options: a bare `llmdiag top` names a command; elsewhere prose abbreviates.
+        spans = [s for s in re.findall(r"`((?:sudo )?llmdiag [^`]+)`", text) if " -" in s] \
+            if doc.name in ("README.md", "http2.md") else []
         texts[doc.name] = "\n".join(blocks + spans)
     for where, text in texts.items():
         for line in re.sub(r"\s*\\\n\s*", " ", text).splitlines():  # join continuation lines
@@ -235,7 +237,7 @@ def test_a_closed_stdout_pipe_ends_quietly() -> None:
 
 @pytest.mark.parametrize(("content", "says"), [
     (None, "No such file or directory"),
-    (b"\x7fELF\x02\x01\x01\x00\xff\xfe", "not a text file"),
+    (b"\x7fELF\x02\x01\x01\x00\xff\xfe", "is not text"),
     (b'{"format": "something else"}', "llmdiag.nvml-replay/v1"),
 ])
 def test_a_bad_nvml_replay_file_is_a_usage_error_naming_it(tmp_path: Path, content: bytes | None, says: str,
@@ -245,4 +247,4 @@ def test_a_bad_nvml_replay_file_is_a_usage_error_naming_it(tmp_path: Path, conte
         path.write_bytes(content)
     assert main(["collect", "--once", "--collectors", "gpu", "--nvml-replay", str(path), "--json"]) == EX_USAGE
     err = capsys.readouterr().err
-    assert f"--nvml-replay {path}" in err and says in err
+    assert str(path) in err and says in err and "Traceback" not in err

@@ -19,11 +19,11 @@ def _entry(state: BackendState, weight: int = 64, reasons: tuple[Reason, ...] = 
 
 
 @pytest.mark.parametrize(("state", "reply"), [
-    (BackendState.HEALTHY, "up ready 64%\n"),
-    (BackendState.DEGRADED, "up ready 64%\n"),
-    (BackendState.WARMING, "up ready 64%\n"),
-    (BackendState.HALF_OPEN, "up ready 64%\n"),
-    (BackendState.COOLING, "up drain\n"),
+    (BackendState.HEALTHY, "ready up 64%\n"),
+    (BackendState.DEGRADED, "ready up 64%\n"),
+    (BackendState.WARMING, "ready up 64%\n"),
+    (BackendState.HALF_OPEN, "ready up 64%\n"),
+    (BackendState.COOLING, "drain up\n"),
 ])
 def test_reply_states_the_full_state_every_time(state: BackendState, reply: str) -> None:
     assert agent_check_reply(_entry(state)) == reply
@@ -32,14 +32,14 @@ def test_reply_states_the_full_state_every_time(state: BackendState, reply: str)
 def test_ejected_reply_carries_the_reason_on_one_line() -> None:
     why = Reason("circuit_open", Severity.CRITICAL, 1.0, "ejected after failures;\nretry in 15 s\x00")
     reply = agent_check_reply(_entry(BackendState.EJECTED, reasons=(why,)), maxconn=8)
-    assert reply == "down ready maxconn:8 #ejected after failures; retry in 15 s\n"
+    assert reply == "ready down maxconn:8 #ejected after failures; retry in 15 s\n"
     assert reply.count("\n") == 1
-    assert agent_check_reply(_entry(BackendState.EJECTED)) == "down ready #ejected\n"
+    assert agent_check_reply(_entry(BackendState.EJECTED)) == "ready down #ejected\n"
 
 
 def test_maxconn_and_unknown() -> None:
-    assert agent_check_reply(_entry(BackendState.HEALTHY, 0), maxconn=32) == "up ready maxconn:32 0%\n"
-    assert agent_check_reply(None, maxconn=32) == UNKNOWN_REPLY == "up ready 100%\n"
+    assert agent_check_reply(_entry(BackendState.HEALTHY, 0), maxconn=32) == "ready up maxconn:32 0%\n"
+    assert agent_check_reply(None, maxconn=32) == UNKNOWN_REPLY == "ready up 100%\n"
 
 
 def test_agent_send_lookup() -> None:

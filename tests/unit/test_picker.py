@@ -369,7 +369,8 @@ def test_picker_server_applies_discovered_backends_to_the_balancer():
 
     async def go():
         clock = Clock()
-        service = EndpointPickerService(Balancer([A], clock=clock, rng=random.Random(1)), PickerConfig(), clock=clock)
+        service = EndpointPickerService(Balancer([A], clock=clock, rng=random.Random(1)), PickerConfig(probes=False),
+                                        clock=clock)
         dns = DnsBackends("pool:8000", models=("m",), interval=0.01, resolve=resolve)
         server = PickerServer(service, "127.0.0.1:0", "", discovery=dns)
         await server.start()

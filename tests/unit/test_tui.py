@@ -25,7 +25,7 @@ def _app(paused: bool = False) -> TopApp:
     return TopApp(source, toasts=False)
 
 
-async def _until(pilot: Any, check: Any, tries: int = 200) -> None:
+async def _until(pilot: Any, check: Any, tries: int = 1500) -> None:  # up to 30 s on a loaded machine
     for _ in range(tries):
         if check():
             return
@@ -202,3 +202,17 @@ def test_host_snapshot(snap_compare: Any) -> None:
         await pilot.pause()
 
     assert snap_compare(_app(), terminal_size=(120, 40), run_before=open_host)
+
+
+async def test_mouse_click_selects_then_opens_a_backend() -> None:
+    app = _app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await _until(pilot, lambda: app.ended)
+        table = app.screen.query_one("#fleet", DataTable)
+        second = _rows(app)[1]
+        await pilot.click("#fleet", offset=(3, 2))  # header is row 0: this is the second backend
+        await pilot.pause()
+        assert table.cursor_row == 1
+        await pilot.click("#fleet", offset=(3, 2))  # a click on the selected row opens it
+        await _until(pilot, lambda: isinstance(app.screen, BackendScreen))
+        assert app.screen.backend == second  # type: ignore[attr-defined]

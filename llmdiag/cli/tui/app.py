@@ -11,7 +11,7 @@ on top.
 from __future__ import annotations
 
 from textual import work
-from textual.app import App
+from textual.app import App, ScreenStackError
 from textual.binding import Binding
 from textual.worker import get_current_worker
 
@@ -108,8 +108,12 @@ class TopApp(App[None]):
         self._redraw()
 
     def _redraw(self) -> None:
-        refresh = getattr(self.screen, "refresh_from", None)
-        if refresh is not None and self.screen.is_mounted:
+        try:
+            screen = self.screen
+        except ScreenStackError:  # a tick that arrives while the app shuts down
+            return
+        refresh = getattr(screen, "refresh_from", None)
+        if refresh is not None and screen.is_mounted:
             refresh(self.model)
 
     # -- status line ------------------------------------------------------------------

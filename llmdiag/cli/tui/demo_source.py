@@ -30,9 +30,10 @@ def demo_snapshots(config: Config, fleet: DemoFleet, *, duration: float | None =
     backends = fleet.backends()
     http = [b for b in backends if b.scheme != "grpc"]
     grpc = [b for b in backends if b.scheme == "grpc"]
-    names = [n for n in DEMO_COLLECTORS if n != "http2"]
+    wanted = list(config.agent.collectors or DEMO_COLLECTORS)  # [agent] collectors narrows them
+    names = [n for n in wanted if n != "http2"]
     collectors, unavailable = build_collectors(config, http, names)
-    if grpc and "http2" in DEMO_COLLECTORS:
+    if grpc and "http2" in wanted:
         try:
             more, more_unavailable = build_collectors(config, grpc, ["http2"])
         except BaseException:

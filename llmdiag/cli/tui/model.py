@@ -1,7 +1,7 @@
 """What the TUI shows, computed from the ticks: rows, rates and history (no Textual here).
 
 :class:`TopModel` ingests one :class:`~llmdiag.agent.loop.AgentState` per
-tick and keeps, per backend, a short history of the numbers that get a
+tick and keeps the recent states, from which it computes the numbers that get a
 sparkline, the per-second rates of the counters the fleet view shows
 (RST_STREAM/s, retransmits/s), and a log of every diagnosis that opened or
 closed. The screens only format what this model holds.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from llmdiag.agent.loop import AgentBackend, AgentState
@@ -104,45 +104,50 @@ class LogEntry:
     diagnosis: Diagnosis
 
 
-@dataclass
-class _Series:
-    values: deque[float | None] = field(default_factory=lambda: deque(maxlen=HISTORY))
-
-
 class TopModel:
-    """Everything the screens show, updated once per tick by :meth:`ingest`."""
+    """Everything the screens show, updated once per tick by :meth:`ingest`.
 
-    #: counters shown as per-second rates: column -> signal
+    Cheap per tick whatever the fleet size: it keeps references to the last
+    :data:`HISTORY` states (which exist anyway) and computes a series only when
+    a screen asks for it (:meth:`series`), plus the two per-second rates the
+    fleet view shows for every backend.
+    """
+
+    #: counters shown as per-second rates in the fleet view: column -> signal
     RATES = {"rst_per_s": "h2_rst_stream_total", "retrans_per_s": "tcp_retransmits_total"}
+    RATE_TICKS = 5
 
     def __init__(self) -> None:
         self.state: AgentState | None = None
         self.ticks = 0
-        self.history: dict[tuple[str, str], deque[float | None]] = {}
+        self.states: deque[AgentState] = deque(maxlen=HISTORY)
         self.log: deque[LogEntry] = deque(maxlen=1000)
-        self._prev: dict[tuple[str, str], tuple[float, float]] = {}  # (backend, signal) -> (ts, value)
         self._rates: dict[tuple[str, str], float | None] = {}
 
     # -- ingest ------------------------------------------------------------------
     def ingest(self, state: AgentState, opened: Iterable[Diagnosis] = (), closed: Iterable[Diagnosis] = ()) -> None:
         """One tick; ``opened``/``closed`` are the diagnoses that changed since the last one."""
         self.state = state
+        self.states.append(state)
+        # Rates over the last RATE_TICKS ticks: steadier than tick-to-tick (a counter growing 0.2/s
+        # reads 0.2, not 0 and 1 in turn), and a row that does not change is not redrawn.
+        earlier = list(self.states)[-(self.RATE_TICKS + 1):-1]
+        previous = next((s.snapshot for s in earlier if s.snapshot is not None), None)
         self.ticks += 1
         for d in opened:
             self.log.append(LogEntry(state.ts, "opened", d))
         for d in closed:
             self.log.append(LogEntry(state.ts, "closed", d))
-        snap = self.snapshot
-        for name in self.backend_names():
-            signals = snap.backends.get(name, {})
-            values = self._series_values(name, signals, state.backends.get(name))
-            for key, value in values.items():
-                self._push((name, key), value)
-            for column, signal in self.RATES.items():
-                self._rates[(name, column)] = values.get(signal)
-        for key, value in (("psi_io_full_avg10", number(snap.host.get("psi_io_full_avg10"))),
-                           ("sockstat_tcp_tw", number(snap.host.get("sockstat_tcp_tw")))):
-            self._push(("host", key), value)
+        snap = state.snapshot
+        self._rates = {}
+        if snap is not None and previous is not None:
+            for name, signals in snap.backends.items():
+                before = previous.backends.get(name)
+                if before is None:
+                    continue
+                for column, signal in self.RATES.items():
+                    self._rates[(name, column)] = _rate(number(before.get(signal)), number(signals.get(signal)),
+                                                        snap.ts - previous.ts)
 
     @property
     def snapshot(self) -> Snapshot:
@@ -162,40 +167,33 @@ class TopModel:
         found.sort(key=lambda d: (-d.severity.rank, -d.penalty, d.kind))
         return found
 
-    def _push(self, key: tuple[str, str], value: float | None) -> None:
-        series = self.history.get(key)
-        if series is None:
-            series = self.history[key] = deque(maxlen=HISTORY)
-        series.append(value)
-
-    def _rate(self, backend: str, signal: str, ts: float, value: float | None) -> float | None:
-        prev = self._prev.get((backend, signal))
-        if value is None:
-            return None
-        self._prev[(backend, signal)] = (ts, value)
-        if prev is None or ts <= prev[0] or value < prev[1]:  # first sight or counter reset
-            return None
-        return (value - prev[1]) / (ts - prev[0])
-
-    def _series_values(self, name: str, signals: Mapping[str, Any], routing: AgentBackend | None) -> dict[str, float | None]:
-        out: dict[str, float | None] = {
-            "score": routing.score if routing else None,
-            "penalty": routing.penalty if routing else None,
-        }
-        ts = self.state.ts if self.state is not None else 0.0
-        for signal, value in signals.items():
-            if isinstance(value, Distribution):
-                out[f"{signal}.p50"] = number(value, "p50")
-                out[f"{signal}.p99"] = number(value, "p99")
-            elif signal.endswith("_total"):
-                out[signal] = self._rate(name, signal, ts, number(value))  # counters as per-second rates
-            else:
-                out[signal] = number(value)
-        return out
-
     # -- queries -------------------------------------------------------------------
-    def series(self, subject: str, key: str) -> list[float | None]:
-        return list(self.history.get((subject, key), ()))
+    def series(self, subject: str, key: str, last: int = HISTORY) -> list[float | None]:
+        """The last ``last`` values of one series, oldest first, computed from the kept states.
+
+        ``subject`` is a backend name (``key``: ``score``, ``penalty``, a signal, ``signal.p50``
+        or ``signal.p99`` of a distribution; a ``*_total`` counter comes out as a per-second
+        rate) or ``"host"`` (``key``: a host signal)."""
+        states = list(self.states)[-(last + 1):]
+        out: list[float | None] = []
+        prev: tuple[float, float | None] | None = None
+        for state in states:
+            snap = state.snapshot
+            if key in ("score", "penalty"):
+                routing = state.backends.get(subject)
+                value = None if routing is None else float(getattr(routing, key))
+            elif snap is None:
+                value = None
+            else:
+                signals = snap.host if subject == "host" else snap.backends.get(subject, {})
+                name, _, stat = key.partition(".")
+                value = number(signals.get(name), stat or "ewma")
+                if name.endswith("_total"):  # one state more than asked for primes the first rate
+                    raw = value
+                    value = None if prev is None else _rate(prev[1], raw, state.ts - prev[0])
+                    prev = (state.ts, raw)
+            out.append(value)
+        return out[-last:]
 
     def rate(self, backend: str, column: str) -> float | None:
         return self._rates.get((backend, column))
@@ -247,6 +245,13 @@ class TopModel:
                 up=None if up is None else up >= 1,
             ))
         return rows
+
+
+def _rate(before: float | None, after: float | None, seconds: float) -> float | None:
+    """Per-second increase; unknown on a gap, a zero interval or a counter reset."""
+    if before is None or after is None or seconds <= 0 or after < before:
+        return None
+    return (after - before) / seconds
 
 
 def _max(values: list[float | None]) -> float | None:

@@ -44,12 +44,19 @@ def utc(ts: float | None, with_date: bool = True) -> str:
 class _Base(Screen[None]):
     """A screen with the status line on top and the footer at the bottom."""
 
+    _status_shown = ""
+
     def compose_status(self) -> ComposeResult:
         yield Static("", id="status", classes="status")
 
     def update_status(self, model: TopModel) -> None:
         app: TopApp = self.app  # type: ignore[assignment]
-        self.query_one("#status", Static).update(app.status_line())
+        status = app.status_line()
+        widget = self.query_one("#status", Static)
+        if status != self._status_shown:
+            # One line, fixed height: no layout pass (a full reflow every tick is most of the cost).
+            widget.update(status, layout=False)
+            self._status_shown = status
 
     def refresh_from(self, model: TopModel) -> None:  # pragma: no cover - every screen overrides it
         self.update_status(model)
@@ -81,6 +88,10 @@ class FleetScreen(_Base):
         self.sort_key = "score"
         self.sort_reverse = False
         self.filter_text = ""
+        self._shown: list[str] = []  # row keys in the table, in order
+        self._cells_shown: dict[str, list[Any]] = {}
+        self._signatures: dict[str, tuple[Any, ...]] = {}
+        self._summary_shown = ""
 
     def compose(self) -> ComposeResult:
         yield from self.compose_status()
@@ -156,11 +167,32 @@ class FleetScreen(_Base):
         # The cursor keeps its row position (as in top(1)): the worst backend stays under it by default.
         position = table.cursor_row if table.row_count else 0
         rows = self.visible_rows(model)
-        table.clear()
-        for row in rows:
-            table.add_row(*self._cells(row, model), key=row.name)
-        if rows:
-            table.move_cursor(row=min(max(position, 0), len(rows) - 1), animate=False)
+        names = [r.name for r in rows]
+        if names == self._shown:
+            # Same rows in the same order (most ticks): rewrite only the cells that changed.
+            for row in rows:
+                spark = model.series(row.name, "score", last=8)
+                signature = (row, tuple(spark))
+                if self._signatures.get(row.name) == signature:
+                    continue  # nothing in this row changed: no cell objects, no repaint
+                self._signatures[row.name] = signature
+                cells = self._cells(row, model)
+                old = self._cells_shown.get(row.name)
+                for (_, key), cell, before in zip(self.COLUMNS, cells, old or [None] * len(cells)):
+                    if str(cell) != str(before) or getattr(cell, "style", None) != getattr(before, "style", None):
+                        table.update_cell(row.name, key, cell)
+                self._cells_shown[row.name] = cells
+        else:
+            table.clear()
+            self._cells_shown = {}
+            self._signatures = {}
+            for row in rows:
+                cells = self._cells(row, model)
+                table.add_row(*cells, key=row.name)
+                self._cells_shown[row.name] = cells
+            self._shown = names
+            if rows:
+                table.move_cursor(row=min(max(position, 0), len(rows) - 1), animate=False)
         state = model.state
         n_open = len([d for d in state.open if d.backend != HOST]) if state else 0
         crit = len([d for d in state.open if d.severity is Severity.CRITICAL]) if state else 0
@@ -170,12 +202,14 @@ class FleetScreen(_Base):
                    f"{' · host: ' + ', '.join(d.kind for d in host_open) if host_open else ''}"
                    f" · sort {self.sort_key}{' desc' if self.sort_reverse else ''}"
                    f"{' · filter ' + repr(self.filter_text) if self.filter_text else ''}")
-        self.query_one("#summary", Static).update(summary)
+        if summary != self._summary_shown:
+            self.query_one("#summary", Static).update(summary, layout=False)
+            self._summary_shown = summary
 
     def _cells(self, row: FleetRow, model: TopModel) -> list[Any]:
         state = Text(row.state if row.up is not False else f"{row.state} DOWN",
                      style=_STATE_STYLE.get(row.state, "") if row.up is not False else "bold red")
-        spark = sparkline(model.series(row.name, "score"), 8, lo=0.0, hi=100.0)
+        spark = sparkline(model.series(row.name, "score", last=8), 8, lo=0.0, hi=100.0)
         diag = Text(f"{_MARK[row.severity]}{row.diagnosis}" if row.severity else "-",
                     style=_SEV_STYLE[row.severity] if row.severity else "dim")
         return [
@@ -248,14 +282,14 @@ class BackendScreen(_Base):
             if isinstance(value, Distribution):
                 for stat in ("p50", "p99"):
                     table.add_row(f"{name}.{stat}", fmt(number(value, stat), ".3g"),
-                                  sparkline(model.series(self.backend, f"{name}.{stat}"), 30))
+                                  sparkline(model.series(self.backend, f"{name}.{stat}", last=30), 30))
             elif name.endswith("_total"):
                 # Counters read as rates: a cumulative count says little at 3 a.m.
-                series = model.series(self.backend, name)
+                series = model.series(self.backend, name, last=30)
                 table.add_row(f"{name} /s", fmt(series[-1] if series else None, ".3g"), sparkline(series, 30))
             else:
                 shown = _value_text(value)
-                table.add_row(name, shown, sparkline(model.series(self.backend, name), 30))
+                table.add_row(name, shown, sparkline(model.series(self.backend, name, last=30), 30))
 
 
 def _value_text(value: Any) -> str:
@@ -301,10 +335,10 @@ class HostScreen(_Base):
         lines.append("pressure stall (avg10): ", style="bold")
         lines.append(f"cpu some {fmt(number(h.get('psi_cpu_some_avg10')), '.2f')}  io some {fmt(number(h.get('psi_io_some_avg10')), '.2f')}"
                      f"  io full {fmt(number(h.get('psi_io_full_avg10')), '.2f')}  memory full {fmt(number(h.get('psi_memory_full_avg10')), '.2f')}"
-                     f"  {sparkline(model.series('host', 'psi_io_full_avg10'), 20)}\n")
+                     f"  {sparkline(model.series('host', 'psi_io_full_avg10', last=20), 20)}\n")
         lines.append("sockets: ", style="bold")
         lines.append(f"tcp in use {fmt(number(h.get('sockstat_tcp_inuse')), '.0f')}  TIME_WAIT {fmt(number(h.get('sockstat_tcp_tw')), '.0f')}"
-                     f"  {sparkline(model.series('host', 'sockstat_tcp_tw'), 20)}\n")
+                     f"  {sparkline(model.series('host', 'sockstat_tcp_tw', last=20), 20)}\n")
         lines.append("conntrack: ", style="bold")
         lines.append(f"{fmt(conn, '.0f')} of {fmt(conn_max, '.0f')}" + (f" ({conn / conn_max:.0%})" if conn is not None and conn_max else ""))
         host_diags = [d for d in state.open if d.backend == HOST]

@@ -49,19 +49,40 @@ def test_doctor_as_a_non_root_user_reports_instead_of_crashing() -> None:
         if check["status"] != OK:
             assert check["hint"], check
     assert checks["privileges"]["status"] == UNAVAILABLE and "CAP_BPF" in checks["privileges"]["hint"]
-    assert {n for n, c in checks.items() if c["optional"]} == {"btf", "kprobe", "fentry", "bpf_stats"}
-    if checks["tracefs"]["detail"].startswith("needs root/CAP_BPF"):  # tracefs is 0700 on most kernels
+    optional = {n for n, c in checks.items() if c["optional"]}
+    assert optional >= {"btf", "kprobe", "fentry", "bpf_stats"}
+    assert all(n.startswith(("raw_tracepoint:", "kprobe:")) for n in optional - {"btf", "kprobe", "fentry", "bpf_stats"})
+    denied = subprocess.run([*_as_nobody(), sys.executable, "-c", "import pathlib; pathlib.Path('/sys/kernel/tracing/events').is_dir()"],
+                            capture_output=True, text=True, timeout=60, env={**os.environ, "HOME": "/tmp"}).returncode != 0
+    if denied:  # tracefs is 0700 root on most kernels: "needs root", never "missing" or "not mounted"
+        assert checks["tracefs"]["detail"].startswith("needs root/CAP_BPF"), checks["tracefs"]
         assert "sudo llmdiag doctor" in checks["tracefs"]["hint"]
-        assert all(c["detail"].startswith("needs root") for n, c in checks.items() if n.startswith("tracepoint:"))
-    else:  # tracefs readable by anyone, or not mounted at all
-        assert checks["tracefs"]["status"] == OK or "not mounted" in checks["tracefs"]["detail"]
+        looked_up = [c for n, c in checks.items() if n.startswith(("tracepoint:", "kprobe:", "uprobe:"))]
+        assert looked_up and all(c["detail"].startswith("needs root") for c in looked_up), looked_up
 
 
-def test_a_check_missing_from_the_list_means_the_collectors_cannot_run() -> None:
-    required = [Check(n, OK, "") for n in ("bpf_syscall", "tracefs", "bcc", "kernel_headers",
-                                           "tracepoint:sock:inet_sock_set_state", "tracepoint:tcp:tcp_sendmsg_locked")]
+def test_the_collectors_can_run_when_the_base_and_the_tcp_attach_points_work() -> None:
+    from llmdiag.collectors import tcp
+
+    core = [f"{n.kind}:{n.target}" for n in tcp.attach_points() if n.required]
+    assert core == ["tracepoint:sock:inet_sock_set_state"]  # as the tcp collector declares it
+    required = [Check(n, OK, "") for n in ("bpf_syscall", "tracefs", "bcc", "kernel_headers", *core)]
     assert doctor.collectors_can_run(required)
     assert not doctor.collectors_can_run(required[1:])  # bpf_syscall could not even be probed
+    assert not doctor.collectors_can_run([*required[:-1], Check(core[0], UNAVAILABLE, "missing")])
+
+
+def test_attach_points_come_from_the_collectors() -> None:
+    from llmdiag.collectors.attach_points import all_attach_points
+
+    checks = doctor._attach_points()  # noqa: SLF001
+    assert [c.name for c in checks] == [f"{n.kind}:{n.target}" for n in all_attach_points()]
+    assert "tracepoint:tcp:tcp_sendmsg_locked" not in {c.name for c in checks}  # doctor's old copy had it
+    for check in checks:
+        if check.status != OK:
+            assert check.hint, check
+    kprobe = next(c for c in checks if c.name == "kprobe:tcp_sendmsg")
+    assert kprobe.optional  # a fallback, never a gap
 
 
 def _render(checks: list[Check], can_run: bool, width: int = 80) -> str:

@@ -1,0 +1,73 @@
+"""The agent object without its servers: /healthz logic, backend info labels, run-time backend changes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+from prometheus_client import generate_latest
+
+from llmdiag.agent.daemon import STARTUP_GRACE_SECONDS, Agent
+from llmdiag.config import Config
+from llmdiag.model import Backend
+
+CONFIG = Config.from_toml('[agent]\ndiscover = false\ncollectors = ["proc"]\nprobes = false\n')
+
+
+def test_healthz_says_why() -> None:
+    agent = Agent(CONFIG, backends=[])
+    ok, why = agent.health()
+    assert ok and why.startswith("starting")
+    agent._started -= STARTUP_GRACE_SECONDS + 1  # as if the collectors had been building for too long
+    ok, why = agent.health()
+    assert not ok and "still building" in why
+    agent._built_mono = time.monotonic() - 0.1
+    assert agent.health() == (True, "starting: first tick")
+    agent._built_mono = time.monotonic() - CONFIG.agent.stale_after_seconds - 1
+    ok, why = agent.health()
+    assert not ok and "first tick has not finished" in why
+    agent._last_tick_mono = time.monotonic() - 0.5
+    ok, why = agent.health()
+    assert ok and why.startswith("ok: last tick")
+    agent._last_tick_mono = time.monotonic() - CONFIG.agent.stale_after_seconds - 1
+    ok, why = agent.health()
+    assert not ok and why.startswith("tick loop stuck: last tick")
+    agent.fatal = "collectors failed to start: boom"
+    assert agent.health() == (False, "agent failed: collectors failed to start: boom")
+
+
+def test_backend_info_carries_kubernetes_labels() -> None:
+    labelled = Backend.from_url("http://10.244.7.21:8000", name="vllm-a", engine="vllm",
+                                labels={"pod": "vllm-a-0", "namespace": "llm", "container": "vllm", "node": "gpu-7"})
+    agent = Agent(CONFIG, backends=[labelled, Backend.from_url("http://127.0.0.1:9000", name="plain")])
+    text = generate_latest(agent.registry).decode()
+    assert ('llmdiag_backend_info{address="10.244.7.21:8000",backend="vllm-a",container="vllm",engine="vllm",'
+            'namespace="llm",node="gpu-7",pod="vllm-a-0"} 1.0') in text
+    assert 'llmdiag_backend_info{address="127.0.0.1:9000",backend="plain",container="",engine="",' in text
+    assert "process_resident_memory_bytes" in text
+
+
+def _resolved(backends: list[Backend]) -> concurrent.futures.Future[list[Backend]]:
+    future: concurrent.futures.Future[list[Backend]] = concurrent.futures.Future()
+    future.set_result(backends)
+    return future
+
+
+def test_backend_changes_are_applied() -> None:
+    a = Backend.from_url("http://127.0.0.1:8000", name="a", pid=100)
+    agent = Agent(CONFIG, backends=[a])
+    b = Backend.from_url("http://127.0.0.1:8001", name="b")
+    agent._apply_backends(_resolved([a, b]))  # a new engine
+    assert [x.name for x in agent.backends] == ["a", "b"]
+    assert {x.name for x in agent.loop.balancer.backends} == {"a", "b"}
+    assert [i.backend for i in agent._telemetry.backends] == ["a", "b"]
+    restarted = Backend.from_url("http://127.0.0.1:8000", name="a", pid=200)
+    agent._apply_backends(_resolved([restarted]))  # a new pid; b is kept though not found this time
+    assert [(x.name, x.pid) for x in agent.backends] == [("a", 200), ("b", None)]
+    assert agent.loop.balancer.state("a").value == "warming"
+
+
+def test_state_json_never_fails_on_a_non_finite_number() -> None:
+    from llmdiag.agent.http import _dumps
+
+    assert _dumps({"a": [1.0, float("inf")], "b": {"c": float("nan")}, "d": "x"}) == '{"a":[1.0,null],"b":{"c":null},"d":"x"}'
