@@ -207,7 +207,7 @@ class Balancer:
         with self._lock:
             now = self._clock()
             if pending > 0 and self._speed.enabled:
-                self._speed.sample(slot, backlog, drained, now, self._slots.values())
+                self._speed.sample(slot, backlog, drained, now, self._slots)
             h = self._health[slot.name]
             alpha = self.config.score.ttft_ewma_alpha
             fresh = h.ttft_ewma is not None and now - h.ttft_ts <= self.config.score.ttft_stale_seconds
