@@ -84,6 +84,8 @@ class Agent:
         self.usage_error = False
         self.http_address: tuple[str, int] | None = None
         self.agent_check_address: tuple[str, int] | None = None
+        #: Engines the engine collector detected (backend name -> engine), for backends given without one.
+        self._detected_engines: dict[str, str] = {}
         self._telemetry = AgentTelemetry(backends=self._backend_info())
         self._opened: dict[tuple[str, str], int] = {}
         self._started = time.monotonic()
@@ -151,8 +153,25 @@ class Agent:
         return state, dataclasses.replace(tel, **extra)
 
     def _backend_info(self) -> tuple[BackendInfo, ...]:
-        return tuple(BackendInfo(b.name, b.address, b.engine or "", b.labels.get("pod", ""), b.labels.get("namespace", ""),
+        return tuple(BackendInfo(b.name, b.address, b.engine or self._detected_engines.get(b.name, ""),
+                                 b.labels.get("pod", ""), b.labels.get("namespace", ""),
                                  b.labels.get("container", ""), b.labels.get("node", "")) for b in self.backends)
+
+    def _notice_engines(self) -> bool:
+        """Take the engines the engine collector detected (``--backend URL`` gives none); True when new.
+
+        The snapshot carries signals, not the engine's name: the collector's last scrape
+        of each backend knows the dialect it detected (kept while the backend is down).
+        """
+        found: dict[str, str] = {}
+        for c in self._collectors:
+            if c.name == "engine":
+                results = getattr(c.inner, "results", None) or {}
+                found = {name: r.engine for name, r in results.items() if getattr(r, "engine", None)}
+        if not found or all(self._detected_engines.get(n) == e for n, e in found.items()):
+            return False
+        self._detected_engines.update(found)
+        return True
 
     # -- the tick thread ----------------------------------------------------------------
     def _tick_thread(self) -> None:
@@ -218,6 +237,8 @@ class Agent:
             self._count_missed(1)
             return
         elapsed = state.last_tick_seconds or (time.perf_counter() - started)
+        if self._notice_engines():
+            self._telemetry = dataclasses.replace(self._telemetry, backends=self._backend_info())
         old = self._telemetry
         counts = tuple(n + (1 if (i == len(TICK_BUCKETS) or elapsed <= TICK_BUCKETS[i]) else 0)
                        for i, n in enumerate(old.tick_bucket_counts))

@@ -17,7 +17,8 @@ and keeps every diagnosis episode: the ``diagnose`` report.
      "snapshot": {... llmdiag.snapshot/v1 ...} | null,
      "open": [Diagnosis, ...], "closed": [Diagnosis + {"open": false, "closed_at", "enforced"}, ...],
      "backends": {"vllm-0": {"name", "address", "score", "penalty", "weight_percent", "state",
-                             "reasons": [...], "cooling_until": null, "ejected_until": null}},
+                             "reasons": [...], "labels": {"pod", ...} (only when known),
+                             "cooling_until": null, "ejected_until": null}},
      "collectors": {"engine": {"status", "reason", "last_ok_ts", "errors_total"}},
      "ticks": 42, "last_tick_seconds": 0.004}
 
@@ -108,7 +109,9 @@ class DiagnoseReport:
 class AgentBackend:
     """One backend as the agent sees it: the penalties entry plus the balancer's deadlines.
 
-    ``cooling_until`` and ``ejected_until`` are ``None`` unless the balancer publishes them.
+    ``cooling_until`` and ``ejected_until`` are epoch seconds (the snapshots' time), ``None`` while
+    the backend is not cooling (not ejected) and for backends the balancer does not know. ``labels``
+    are its Kubernetes labels (pod, namespace, container, node) when known.
     """
 
     name: str
@@ -120,23 +123,26 @@ class AgentBackend:
     reasons: tuple[Reason, ...] = ()
     cooling_until: float | None = None
     ejected_until: float | None = None
+    labels: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     @classmethod
-    def from_penalty(cls, p: BackendPenalty) -> AgentBackend:
-        return cls(p.name, p.address, p.score, p.penalty, p.weight_percent, BackendState(p.state), tuple(p.reasons))
+    def from_penalty(cls, p: BackendPenalty, cooling_until: float | None = None,
+                     ejected_until: float | None = None) -> AgentBackend:
+        return cls(p.name, p.address, p.score, p.penalty, p.weight_percent, BackendState(p.state), tuple(p.reasons),
+                   cooling_until, ejected_until, dict(p.labels))
 
     def as_penalty(self) -> BackendPenalty:
-        return BackendPenalty(self.name, self.address, self.score, self.penalty, self.weight_percent, self.state, self.reasons)
+        return BackendPenalty(self.name, self.address, self.score, self.penalty, self.weight_percent, self.state,
+                              self.reasons, dict(self.labels))
 
     def to_json(self) -> dict[str, Any]:
         return {**self.as_penalty().to_json(), "cooling_until": self.cooling_until, "ejected_until": self.ejected_until}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> AgentBackend:
-        base = cls.from_penalty(BackendPenalty.from_json(obj))
         cooling, ejected = obj.get("cooling_until"), obj.get("ejected_until")
-        return cls(base.name, base.address, base.score, base.penalty, base.weight_percent, base.state, base.reasons,
-                   None if cooling is None else float(cooling), None if ejected is None else float(ejected))
+        return cls.from_penalty(BackendPenalty.from_json(obj), None if cooling is None else float(cooling),
+                                None if ejected is None else float(ejected))
 
 
 @dataclass(frozen=True)
@@ -276,19 +282,33 @@ class AgentLoop:
             self._closed.extend(Episode(d, result.ts, enforced.get(d.kind, True)) for d in result.closed)
             self._ticks += 1
             addresses = {b.name: b.address for b in self.backends}
-            entries = backend_entries(result.backends, addresses, self.balancer.snapshot_states())
+            labels = {b.name: b.labels for b in self.backends if b.labels}
+            entries = backend_entries(result.backends, addresses, self.balancer.snapshot_states(), labels)
+            deadlines = self._wall_deadlines(snap.ts)
             self._state = AgentState(
                 ts=snap.ts,
                 host=snap.hostname or self.config.agent.hostname,
                 snapshot=snap,
                 open=result.open,
                 closed=tuple(self._closed),
-                backends={e.name: AgentBackend.from_penalty(e) for e in entries},
+                backends={e.name: AgentBackend.from_penalty(e, *deadlines.get(e.name, (None, None))) for e in entries},
                 collectors=dict(snap.collectors),
                 ticks=self._ticks,
                 last_tick_seconds=collect_seconds + (time.perf_counter() - started),
             )
             return self._state
+
+    def _wall_deadlines(self, now: float) -> dict[str, tuple[float | None, float | None]]:
+        """The balancer's cooling and ejection deadlines in the snapshots' time (epoch seconds).
+
+        The loop's own balancer runs on tick time, so the offset is 0; a balancer given to the
+        constructor may run on ``time.monotonic``: its deadlines move by the offset between its
+        clock and ``now`` (the snapshot's time), both read here, within the same tick.
+        """
+        offset = now - self.balancer.clock()
+        return {name: (None if d.cooling_until is None else d.cooling_until + offset,
+                       None if d.ejected_until is None else d.ejected_until + offset)
+                for name, d in self.balancer.deadlines().items()}
 
 
 def analyze(snapshots: Iterable[Snapshot], analyzer: Analyzer | AgentLoop, source: str = "") -> DiagnoseReport:

@@ -104,6 +104,9 @@ def _run(args: argparse.Namespace, config: Config) -> int:
     if args.duration is not None and not args.duration > 0:
         err.print("llmdiag bench sim: --duration must be > 0")
         return EX_USAGE
+    if args.kv_capacity is not None and args.kv_capacity < 1:
+        err.print(f"llmdiag bench sim: --kv-tokens must be >= 1, got {args.kv_capacity}")
+        return EX_USAGE
     if args.plot:
         problem = _unwritable_dir(Path(args.plot))
         if problem:  # found now, not after the whole simulation has run

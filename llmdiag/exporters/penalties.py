@@ -7,11 +7,15 @@ analyzers' per-backend health (penalty, analyzer state, reasons). A backend
 the balancer knows is reported as the balancer sees it; one it does not know
 (a replayed recording names backends nobody configured) gets the plain
 default ``score = 100 * (1 - penalty)``, ``weight_percent = round(score)``
-and the analyzer's own state.
+and the analyzer's own state. Each entry carries the backend's Kubernetes
+labels (pod, namespace, container, node) when the caller knows them
+(``labels``, from :attr:`llmdiag.model.Backend.labels`); an entry without
+labels serialises exactly as before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 
 from llmdiag.analyzers import BackendHealth
@@ -24,9 +28,11 @@ def backend_entries(
     health: Mapping[str, BackendHealth],
     addresses: Mapping[str, str] | None = None,
     balancer_states: Iterable[BackendPenalty] = (),
+    labels: Mapping[str, Mapping[str, str]] | None = None,
 ) -> tuple[BackendPenalty, ...]:
-    """One entry per backend named by either source, sorted by name."""
+    """One entry per backend named by either source, sorted by name, with its ``labels[name]`` if any."""
     addresses = addresses or {}
+    labels = labels or {}
     entries = {s.name: s for s in balancer_states}
     for name, h in health.items():
         if name in entries:
@@ -41,7 +47,13 @@ def backend_entries(
             state=h.state,
             reasons=h.reasons,
         )
-    return tuple(entries[name] for name in sorted(entries))
+    return tuple(_labelled(entries[name], labels.get(name)) for name in sorted(entries))
+
+
+def _labelled(entry: BackendPenalty, labels: Mapping[str, str] | None) -> BackendPenalty:
+    if not labels or entry.labels == labels:
+        return entry
+    return dataclasses.replace(entry, labels=dict(labels))
 
 
 def penalties_document(
@@ -51,8 +63,10 @@ def penalties_document(
     addresses: Mapping[str, str] | None = None,
     ttl_seconds: float = 5,
     balancer_states: Iterable[BackendPenalty] = (),
+    labels: Mapping[str, Mapping[str, str]] | None = None,
 ) -> PenaltiesDocument:
     """``llmdiag.penalties/v1`` from analyzer health and/or the balancer's states (see the module doc)."""
     return PenaltiesDocument(
-        ts=ts, host=host, ttl_seconds=ttl_seconds, backends=backend_entries(health or {}, addresses, balancer_states)
+        ts=ts, host=host, ttl_seconds=ttl_seconds,
+        backends=backend_entries(health or {}, addresses, balancer_states, labels),
     )

@@ -206,7 +206,9 @@ class StateCollector(Collector):
             info.add_metric([b.backend, b.address, b.engine, b.pod, b.namespace, b.container, b.node], 1)
         for name, entry in sorted(state.backends.items()):
             if name not in known:
-                info.add_metric([name, entry.address, "", "", "", "", ""], 1)
+                lab = getattr(entry, "labels", None) or {}
+                info.add_metric([name, entry.address, "", lab.get("pod", ""), lab.get("namespace", ""),
+                                 lab.get("container", ""), lab.get("node", "")], 1)
         out.by_name["llmdiag_backend_info"] = info
         score = GaugeMetricFamily("llmdiag_backend_score", "Routing health score 0..100 (SPEC 6.1)", labels=["backend"])
         penalty = GaugeMetricFamily("llmdiag_backend_penalty", "Combined penalty of open diagnoses 0..1", labels=["backend"])

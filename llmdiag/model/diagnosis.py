@@ -211,6 +211,9 @@ class BackendPenalty:
     weight_percent: int
     state: BackendState
     reasons: tuple[Reason, ...] = ()
+    #: The backend's Kubernetes labels (pod, namespace, container, node) when known.
+    #: Serialised only when non-empty, so documents without them stay as they were.
+    labels: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         _check_unit("penalty", self.penalty)
@@ -221,7 +224,7 @@ class BackendPenalty:
             raise ValueError(f"weight_percent must be an integer 0..100, got {self.weight_percent!r}")
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "address": self.address,
             "score": self.score,
@@ -230,6 +233,9 @@ class BackendPenalty:
             "state": BackendState(self.state).value,
             "reasons": [r.to_json() for r in self.reasons],
         }
+        if self.labels:
+            out["labels"] = dict(sorted(self.labels.items()))
+        return out
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> BackendPenalty:
@@ -241,6 +247,7 @@ class BackendPenalty:
             weight_percent=int(obj["weight_percent"]),
             state=BackendState(obj["state"]),
             reasons=tuple(Reason.from_json(r) for r in obj.get("reasons", ())),
+            labels={str(k): str(v) for k, v in (obj.get("labels") or {}).items()},
         )
 
 

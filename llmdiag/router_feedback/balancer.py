@@ -19,6 +19,11 @@ Contract
     "unknown", never zero.
 ``set_penalty(backend, penalty, reasons)``
     The analyzers' combined penalty (0..1) and the reasons behind it.
+``snapshot_states() -> list[BackendPenalty]`` and ``deadlines() -> dict[str, BackendDeadlines]``
+    What exporters and the agent show: per backend the score, penalty, state,
+    weight and reasons; and when its cooling and ejection end, in the
+    balancer's clock (``clock``: ``time.monotonic`` unless one is injected, so
+    not epoch seconds unless the caller made it so).
 
 ``backend`` arguments take a :class:`~llmdiag.model.Backend` or its name.
 
@@ -64,13 +69,13 @@ from llmdiag.router_feedback.breaker import BreakerState
 from llmdiag.router_feedback.errors import Classification, ErrorClassifier, ResponseClass
 from llmdiag.router_feedback.health import Health, HealthRules
 from llmdiag.router_feedback.prefill_speed import PrefillSpeed
-from llmdiag.router_feedback.report import backend_penalties
+from llmdiag.router_feedback.report import BackendDeadlines, backend_deadlines, backend_penalties
 from llmdiag.router_feedback.routing import EMPTY_TABLE, RoutingTable, Slot, build_table, chooser, leave_prefill
 from llmdiag.router_feedback.score import ScoreFactors, ScoreView
 from llmdiag.router_feedback.signals import SignalChecker
 from llmdiag.router_feedback.weights import AdaptiveWeights
 
-__all__ = ["Balancer", "NoBackendAvailable", "RoutingTable"]
+__all__ = ["BackendDeadlines", "Balancer", "NoBackendAvailable", "RoutingTable"]
 
 
 class NoBackendAvailable(LookupError):
@@ -202,7 +207,7 @@ class Balancer:
         with self._lock:
             now = self._clock()
             if pending > 0 and self._speed.enabled:
-                self._speed.sample(slot, backlog, drained, now, self._slots.values())
+                self._speed.sample(slot, backlog, drained, now, self._slots)
             h = self._health[slot.name]
             alpha = self.config.score.ttft_ewma_alpha
             fresh = h.ttft_ewma is not None and now - h.ttft_ts <= self.config.score.ttft_stale_seconds
@@ -451,6 +456,19 @@ class Balancer:
             if now >= self._table.expires_at:
                 self._rebuild(now)
             return backend_penalties(self._slots, self._health, self._rules.state_of, self._weights, self.config, now)
+
+    def deadlines(self) -> dict[str, BackendDeadlines]:
+        """Per backend: when its cooling and its ejection end, in this balancer's clock (``None``: not in force).
+
+        The clock is the one given to the constructor (``time.monotonic`` by
+        default): a caller that shows the deadlines as wall time converts them
+        with the offset between the two clocks read together.
+        """
+        with self._lock:
+            now = self._clock()
+            if now >= self._table.expires_at:
+                self._rebuild(now)  # an ejection whose time is over goes half-open first
+            return backend_deadlines(self._health, now)
 
     def probe_targets(self) -> list[tuple[Backend, BreakerState]]:
         """Backends with their circuit state, for the active prober."""

@@ -42,10 +42,6 @@ class ResponseClass(str, enum.Enum):
     def counts_as_error(self) -> bool:
         return self in _BACKEND_ERRORS
 
-    @property
-    def counts_as_success(self) -> bool:
-        return self is ResponseClass.OK
-
 
 _BACKEND_ERRORS = frozenset(
     {ResponseClass.SATURATED, ResponseClass.SERVER_5XX, ResponseClass.TIMEOUT, ResponseClass.CONNECT_ERROR}

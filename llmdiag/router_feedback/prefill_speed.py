@@ -16,7 +16,7 @@ fact twice (docs/balancer.md "What a penalty may carry").
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from llmdiag.config.balancer import BalancerConfig
 from llmdiag.router_feedback.routing import Slot
@@ -42,8 +42,8 @@ class PrefillSpeed:
         self._spt_sum = 0.0  # sum of the measured seconds per token over the backends that have one
         self._spt_count = 0
 
-    def sample(self, slot: Slot, backlog: int, drained: int, now: float, slots: Iterable[Slot]) -> None:
-        """One request left prefill: ``drained`` tokens out of a ``backlog`` of pending prompt tokens.
+    def sample(self, slot: Slot, backlog: int, drained: int, now: float, slots: Mapping[str, Slot]) -> None:
+        """One request left prefill: ``drained`` tokens out of a ``backlog`` of pending prompt tokens (``slots``: all, by name).
 
         Only drains from a backlog of at least ``prefill_sample_min_tokens``
         count: a nearly idle engine spends most of a request's time in per-step
@@ -71,7 +71,7 @@ class PrefillSpeed:
         slot.seconds_per_token = spt
         slot.sampled_at = now
         if now >= self._refresh_at:
-            self.refresh(slots, now)
+            self.refresh(slots.values(), now)
         else:
             slot.token_weight = self.token_weight(spt)
 
@@ -87,9 +87,15 @@ class PrefillSpeed:
         measurement counts queueing as busy time, so it overstates how slow a
         throttled backend is; the exponent (0.5) damps it (issue 14 point 3).
         """
-        slowness = self._slowness(spt)
-        if self._exponent != 1.0:
-            slowness **= self._exponent
+        count = self._spt_count
+        mean = self._spt_sum / count if count else 0.0
+        slowness = spt / mean if spt > 0 and mean > 0 else 1.0
+        slowness = 10.0 if slowness > 10.0 else 0.1 if slowness < 0.1 else slowness
+        exponent = self._exponent
+        if exponent == 0.5:
+            slowness = math.sqrt(slowness)
+        elif exponent != 1.0:
+            slowness **= exponent
         return slowness * self.inv_tokens_per_slot
 
     def slowness(self, slot: Slot) -> float:

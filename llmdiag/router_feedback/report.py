@@ -3,14 +3,40 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from llmdiag.config.balancer import BalancerConfig
 from llmdiag.model import BackendPenalty, BackendState, Reason, Severity
+from llmdiag.router_feedback.breaker import BreakerState
 from llmdiag.router_feedback.health import Health
 from llmdiag.router_feedback.routing import Slot
 from llmdiag.router_feedback.weights import AdaptiveWeights, WeightInput
 
-__all__ = ["backend_penalties", "own_reasons"]
+__all__ = ["BackendDeadlines", "backend_deadlines", "backend_penalties", "own_reasons"]
+
+
+@dataclass(frozen=True, slots=True)
+class BackendDeadlines:
+    """When a backend's cooling and ejection end, in the balancer's clock (``Balancer.clock``).
+
+    ``None`` when the backend is not cooling (not ejected). ``ejected_until`` is
+    when the circuit goes half-open at the earliest: good probes may end it sooner,
+    and a failing probe pushes it one probe interval later. Cooling can outlast an
+    ejection, so both may be set; the backend's state says which one rules now.
+    """
+
+    cooling_until: float | None = None
+    ejected_until: float | None = None
+
+
+def backend_deadlines(health: Mapping[str, Health], now: float) -> dict[str, BackendDeadlines]:
+    """Every backend's :class:`BackendDeadlines` at ``now``."""
+    out = {}
+    for name, h in health.items():
+        cooling = h.cooling_until if h.cooling_until > now else None
+        ejected = h.breaker.open_until if h.breaker.state is BreakerState.OPEN else None
+        out[name] = BackendDeadlines(cooling, ejected)
+    return out
 
 
 def own_reasons(h: Health, state: BackendState, cfg: BalancerConfig, now: float) -> tuple[Reason, ...]:

@@ -153,13 +153,12 @@ def chooser(d: int, with_replacement: bool, in_flight_penalty: float, scan_up_to
         elif with_replacement:
             candidates = [pool[int(random_() * n)] for _ in range(d)]
         elif rejection_up_to <= n:
-            drawn: list[int] = []
-            candidates = []
+            drawn: list[Slot] = []
             while len(drawn) < d:
-                i = int(random_() * n)
-                if i not in drawn:
-                    drawn.append(i)
-                    candidates.append(pool[i])
+                s = pool[int(random_() * n)]
+                if s not in drawn:  # slots compare by identity
+                    drawn.append(s)
+            candidates = drawn
         else:
             order = list(pool)
             for k in range(d):

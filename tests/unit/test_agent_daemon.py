@@ -71,3 +71,28 @@ def test_state_json_never_fails_on_a_non_finite_number() -> None:
     from llmdiag.agent.http import _dumps
 
     assert _dumps({"a": [1.0, float("inf")], "b": {"c": float("nan")}, "d": "x"}) == '{"a":[1.0,null],"b":{"c":null},"d":"x"}'
+
+
+def test_backend_info_takes_the_engine_detected_by_the_first_scrape() -> None:
+    from engine_http import FIXTURES, metrics_server
+
+    from llmdiag.agent.wiring import build_collectors
+
+    body = (FIXTURES / "sglang_documented_text0.0.4.prom").read_text()
+    with metrics_server(body) as server:
+        given = Backend.from_url(server.url, name="sgl")  # --backend URL: no engine given
+        agent = Agent(CONFIG, backends=[given])
+        assert 'engine=""' in generate_latest(agent.registry).decode()
+        agent._collectors, unavailable = build_collectors(CONFIG, agent.backends, ["engine"])
+        agent._collect_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+        try:
+            assert not unavailable
+            agent._tick({})
+        finally:
+            agent._collect_pool.shutdown(wait=True)
+            for c in agent._collectors:
+                c.close()
+    assert agent.state.snapshot is not None and agent.state.snapshot.backends["sgl"]["up"] == 1
+    text = generate_latest(agent.registry).decode()
+    assert 'llmdiag_backend_info{address="127.0.0.1:%d",backend="sgl",container="",engine="sglang",' % server.port in text
+    assert agent.backends[0].engine is None  # the given backend is left as it was

@@ -179,3 +179,80 @@ def test_concurrent_collection_gives_the_sequential_snapshot() -> None:
     assert snap.to_json() == sequential.to_json()
     assert snap.host["shared"] == 4.0 - 1.0  # "proc", the last one that did not fail
     assert set(seconds) == set(names)
+
+
+def _labelled_backends() -> list:
+    from llmdiag.model import Backend
+
+    pod = {"pod": "vllm-0-abc", "namespace": "llm", "container": "vllm", "node": "gpu-7"}
+    return [Backend.from_url("http://10.0.0.7:8000", name="vllm-0", engine="vllm", labels=pod),
+            Backend.from_url("http://10.0.0.8:8000", name="vllm-1", engine="vllm")]
+
+
+def test_state_carries_the_balancers_deadlines_in_epoch_seconds_and_the_labels() -> None:
+    from balancer_support import ScriptedRandom, VirtualClock
+
+    from llmdiag.model import Snapshot
+    from llmdiag.router_feedback.balancer import Balancer
+
+    clock = VirtualClock(1000.0)  # a monotonic-like clock, far from the snapshots' epoch time
+    rng = ScriptedRandom([0.5])
+    balancer = Balancer(_labelled_backends(), clock=clock, rng=rng)
+    loop = AgentLoop(Config(), _labelled_backends(), balancer=balancer)
+    ts = 1_733_140_000.0
+    state = loop.observe(Snapshot(ts=ts, hostname="gpu-node-7", backends={"vllm-0": {"up": 1}, "vllm-1": {"up": 1}}))
+    assert all(b.cooling_until is None and b.ejected_until is None for b in state.backends.values())
+    balancer.on_finish("vllm-0", 429, b"KV cache exhausted")  # cools for 3 + 2 * 0.5 = 4 s
+    for _ in range(3):
+        balancer.on_finish("vllm-1", "connect_error")  # ejected for 15 s
+    clock.advance(1.0)
+    state = loop.observe(Snapshot(ts=ts + 1.0, hostname="gpu-node-7", backends={"vllm-0": {"up": 1}, "vllm-1": {"up": 0}}))
+    cooling, ejected = state.backends["vllm-0"], state.backends["vllm-1"]
+    assert cooling.state is BackendState.COOLING and ejected.state is BackendState.EJECTED
+    assert cooling.cooling_until == pytest.approx(ts + 4.0) and cooling.ejected_until is None
+    assert ejected.ejected_until == pytest.approx(ts + 15.0) and ejected.cooling_until is None
+    assert cooling.labels == {"pod": "vllm-0-abc", "namespace": "llm", "container": "vllm", "node": "gpu-7"}
+    assert ejected.labels == {}
+    doc = json.loads(json.dumps(state.to_json()))
+    assert doc["backends"]["vllm-0"]["cooling_until"] == pytest.approx(ts + 4.0)
+    assert doc["backends"]["vllm-0"]["labels"]["pod"] == "vllm-0-abc" and "labels" not in doc["backends"]["vllm-1"]
+    assert AgentState.from_json(doc) == state
+    penalties = state.penalties().to_json()
+    assert [b.get("labels") for b in penalties["backends"]] == [cooling.labels, None]
+    assert PenaltiesDocument.from_json(penalties) == state.penalties()
+
+
+def test_the_loops_own_balancer_runs_on_snapshot_time() -> None:
+    from llmdiag.model import Snapshot
+
+    loop = AgentLoop(Config(), _labelled_backends())
+    ts = 1_733_140_000.0
+    loop.observe(Snapshot(ts=ts, backends={"vllm-0": {"up": 1}}))
+    for _ in range(3):
+        loop.balancer.on_finish("vllm-0", 500, b"boom")
+    state = loop.observe(Snapshot(ts=ts + 2.0, backends={"vllm-0": {"up": 1}}))
+    assert state.backends["vllm-0"].ejected_until == pytest.approx(ts + 15.0)
+    state = loop.observe(Snapshot(ts=ts + 15.0, backends={"vllm-0": {"up": 1}}))
+    assert state.backends["vllm-0"].state is BackendState.HALF_OPEN and state.backends["vllm-0"].ejected_until is None
+
+
+def test_agent_backend_json_keeps_both_deadlines_and_labels() -> None:
+    b = AgentBackend("vllm-0", "10.0.0.7:8000", 0.0, 1.0, 0, BackendState.EJECTED, (), cooling_until=1733140004.5,
+                     ejected_until=1733140015.0, labels={"pod": "p", "node": "n"})
+    assert AgentBackend.from_json(json.loads(json.dumps(b.to_json()))) == b
+
+
+def test_penalties_builder_labels_both_kinds_of_entry() -> None:
+    from llmdiag.analyzers import BackendHealth
+    from llmdiag.exporters.penalties import penalties_document
+    from llmdiag.model import BackendPenalty
+
+    routed = BackendPenalty("vllm-0", "10.0.0.7:8000", 90.0, 0.1, 90, BackendState.HEALTHY)
+    health = {"vllm-0": BackendHealth(0.1, BackendState.HEALTHY), "vllm-9": BackendHealth(0.5, BackendState.DEGRADED)}
+    labels = {"vllm-0": {"pod": "a", "node": "gpu-7"}, "vllm-9": {"pod": "b", "node": "gpu-7"}}
+    plain = penalties_document(1.0, "n", health, balancer_states=[routed]).to_json()
+    assert all("labels" not in b for b in plain["backends"])
+    doc = penalties_document(1.0, "n", health, balancer_states=[routed], labels=labels).to_json()
+    assert [b["labels"] for b in doc["backends"]] == [{"node": "gpu-7", "pod": "a"}, {"node": "gpu-7", "pod": "b"}]
+    strip = [{k: v for k, v in b.items() if k != "labels"} for b in doc["backends"]]
+    assert strip == plain["backends"]  # labels add a key and change nothing else

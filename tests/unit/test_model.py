@@ -216,6 +216,20 @@ def test_diagnosis_and_penalties_round_trip() -> None:
         BackendPenalty("a", "h:1", 50.0, 0.5, 50.5, BackendState.HEALTHY)  # type: ignore[arg-type]
 
 
+def test_penalties_entry_labels_are_serialised_only_when_known() -> None:
+    plain = BackendPenalty("vllm-0", "10.0.0.7:8000", 100.0, 0.0, 100, BackendState.HEALTHY)
+    assert list(plain.to_json()) == ["name", "address", "score", "penalty", "weight_percent", "state", "reasons"]
+    assert BackendPenalty.from_json(plain.to_json()) == plain and BackendPenalty.from_json(plain.to_json()).labels == {}
+    pod = {"pod": "vllm-0-7d9f", "namespace": "llm", "container": "vllm", "node": "gpu-node-7"}
+    labelled = BackendPenalty("vllm-0", "10.0.0.7:8000", 100.0, 0.0, 100, BackendState.HEALTHY, labels=pod)
+    data = json.loads(PenaltiesDocument(ts=1733140000.0, host="gpu-node-7", backends=(labelled, plain)).dumps())
+    assert data["backends"][0]["labels"] == {"container": "vllm", "namespace": "llm", "node": "gpu-node-7", "pod": "vllm-0-7d9f"}
+    assert "labels" not in data["backends"][1]
+    back = PenaltiesDocument.from_json(data)
+    assert back.backends[0] == labelled and back.backends[0].labels == pod and back.backends[1].labels == {}
+    assert labelled != plain and hash(labelled) == hash(plain)  # labels take part in equality, not in the hash
+
+
 def test_na_behaves_as_nan_and_prints_na() -> None:
     assert str(NA) == "N/A" and f"{NA:>6.1f}" == "   N/A"
     assert math.isnan(NA + 1) and not NA and NA == NA and NA != 0

@@ -167,6 +167,9 @@ def test_cli_bench_sim_json(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["bench", "sim", "--scenario", "nope"])
     assert rc == 64
     assert "unknown scenario" in capsys.readouterr().err
+    rc = main(["bench", "sim", "--scenario", "kv_bound", "--kv-tokens", "0", "--policies", "oracle"])
+    assert rc == 64
+    assert "--kv-tokens must be >= 1" in capsys.readouterr().err
 
 
 def test_cli_bench_sim_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -124,6 +124,32 @@ async def test_opening_a_backend_shows_evidence_remediation_and_routing() -> Non
         assert isinstance(app.screen, FleetScreen)
 
 
+async def test_backend_view_shows_the_balancers_deadlines() -> None:
+    import dataclasses
+    from datetime import datetime, timezone
+
+    app = _app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await _until(pilot, lambda: app.ended)
+        app.screen.query_one("#fleet", DataTable).move_cursor(row=_rows(app).index("vllm-1"))
+        await pilot.press("enter")
+        await _until(pilot, lambda: isinstance(app.screen, BackendScreen))
+        assert "until" not in _static_text(app.screen, "#routing")  # no deadlines in the replay
+        state = app.model.state
+        assert state is not None
+        cooling_until, ejected_until = state.ts + 4.0, state.ts + 15.0
+        entry = dataclasses.replace(state.backends["vllm-1"], cooling_until=cooling_until, ejected_until=ejected_until)
+        app.post_message(SnapshotReceived(dataclasses.replace(state, backends={**state.backends, "vllm-1": entry}), [], []))
+        await _until(pilot, lambda: "cooling until" in _static_text(app.screen, "#routing"))
+        routing = _static_text(app.screen, "#routing")
+
+        def hms(ts: float) -> str:
+            return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%H:%M:%S")
+
+        assert f"cooling until {hms(cooling_until)} UTC (4 s left)" in routing
+        assert f"ejected until {hms(ejected_until)} UTC (15 s left)" in routing
+
+
 async def test_host_log_and_help_screens() -> None:
     app = _app()
     async with app.run_test(size=(80, 24)) as pilot:

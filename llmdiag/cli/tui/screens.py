@@ -258,9 +258,9 @@ class BackendScreen(_Base):
             head.append(f"  score {routing.score:.0f}  penalty {routing.penalty:.2f}  weight {routing.weight_percent}%")
             why = [f"  {r.kind}: {r.summary} (penalty {r.penalty:.2f})" for r in routing.reasons]
             if routing.cooling_until is not None:
-                why.append(f"  cooling until {utc(routing.cooling_until)} ({routing.cooling_until - state.ts:.0f} s left)")
+                why.append(f"  cooling until {utc(routing.cooling_until, False)} UTC ({routing.cooling_until - state.ts:.0f} s left)")
             if routing.ejected_until is not None:
-                why.append(f"  ejected until {utc(routing.ejected_until)} ({routing.ejected_until - state.ts:.0f} s left)")
+                why.append(f"  ejected until {utc(routing.ejected_until, False)} UTC ({routing.ejected_until - state.ts:.0f} s left)")
             if routing.state.value == "warming":
                 why.append("  warming: new or restarted, its share of traffic ramps up")
             body = Group(head, Text("balancer: " + ("why:" if why else "nothing against it")), *[Text(w) for w in why])
