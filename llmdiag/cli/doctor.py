@@ -243,7 +243,7 @@ def _engines(config: Config) -> Check:
 
 def _backends(config: Config) -> list[Check]:
     """Scrape each configured backend's /metrics once: does it answer, and as which engine?"""
-    from llmdiag.collectors.engine import EngineCollector  # noqa: PLC0415 - only with backends
+    from llmdiag.collectors.engine import EngineCollector, scraped_at  # noqa: PLC0415 - only with backends
 
     backends = config.backend_list()
     if not backends:
@@ -257,13 +257,14 @@ def _backends(config: Config) -> list[Check]:
     for backend in backends:
         scrape = collector.results.get(backend.name)
         name = f"backend:{backend.name}"
-        where = f"{backend.url}{config.engine.metrics_path}"
+        where = scraped_at(backend, config.engine.metrics_path) or f"{backend.url}{config.engine.metrics_path}"
         if scrape is None or not scrape.up:
             error = scrape.error if scrape is not None else "not scraped"
             hint = ("is the engine running, and is this its HTTP port? "
                     "`llmdiag scrape URL` shows what it serves")
             if backend.scheme == "grpc":
-                hint = "a gRPC port rarely serves /metrics: add the engine's HTTP port as an http:// backend too"
+                hint = ("a gRPC port rarely serves /metrics: set the backend's metrics_url to the engine's "
+                        "HTTP metrics (Triton: port 8002), or add its HTTP port as an http:// backend too")
             checks.append(Check(name, UNAVAILABLE, f"{where}: {error}", hint))
         elif not scrape.engine:
             checks.append(Check(name, DEGRADED, f"{where} answers, but with no known engine metrics",

@@ -43,9 +43,13 @@ A page that answers 200 without any engine's metric names (an HTML page, a
 plain web server, another exporter) is *not an engine*: ``up`` 0, reason
 ``not_an_engine``, unless the backend is configured as ``engine = "openai"``
 (an OpenAI-compatible server without a known metrics dialect), which is up
-when it answers. ``grpc://`` backends have no HTTP ``/metrics`` to scrape: they
-are left out (logged once at info, named in the status reason), not counted
-as down.
+when it answers. A backend with a ``metrics_url`` is scraped there instead of
+at ``url`` + ``metrics_path`` (a URL with no path gets ``metrics_path``), so a
+``grpc://`` backend with a ``metrics_url`` (Triton: gRPC on 8001, metrics on
+8002) is scraped, and its ``up``/``scrape_failure`` read, like any other.
+``grpc://`` backends without one have no HTTP ``/metrics`` to scrape: they are
+left out (logged once at info, named in the status reason), not counted as
+down.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from llmdiag.collectors.engine_names import AGGREGATION, Dialect, detect_dialect
 from llmdiag.collectors.engine_parse import EngineReading, ExpositionCache, ParsedScrape, parse_exposition, read_engines
@@ -74,7 +79,7 @@ from llmdiag.model import (
     Signals,
 )
 
-__all__ = ["SCRAPE_FAILURES", "BackendScrape", "EngineCollector"]
+__all__ = ["SCRAPE_FAILURES", "BackendScrape", "EngineCollector", "scraped_at"]
 
 log = logging.getLogger("llmdiag.collectors.engine")
 
@@ -292,6 +297,19 @@ def _merge_distributions(name: str, values: list, deltas: list[HistogramDelta]) 
     return Distribution(max(p50s) if p50s else None, max(p99s) if p99s else None, ewma, count)
 
 
+def scraped_at(backend: Backend, metrics_path: str = "/metrics") -> str | None:
+    """The URL the engine collector scrapes for ``backend``: its ``metrics_url`` when set
+    (``metrics_path`` appended when that URL has no path), else ``url`` + ``metrics_path``
+    for HTTP backends; ``None`` for a ``grpc://`` backend without a ``metrics_url``."""
+    if backend.metrics_url:
+        if urlsplit(backend.metrics_url).path in ("", "/"):
+            return backend.metrics_url.rstrip("/") + metrics_path
+        return backend.metrics_url
+    if backend.scheme == "grpc":
+        return None
+    return backend.url.rstrip("/") + metrics_path
+
+
 class EngineCollector:
     """Scrapes every backend's engine metrics once per :meth:`collect`.
 
@@ -312,12 +330,16 @@ class EngineCollector:
     ) -> None:
         self.config = config or EngineConfig()
         backends = list(backends)
-        # gRPC backends serve no HTTP /metrics: scraping them would only ever say "down".
-        self.backends = [b for b in backends if b.scheme != "grpc"]
-        self.skipped = [b for b in backends if b.scheme == "grpc"]
+        # gRPC ports serve no HTTP /metrics: scraping them would only ever say "down". One that
+        # names where its engine's metrics live (metrics_url) is scraped there.
+        urls = {b.name: scraped_at(b, self.config.metrics_path) for b in backends}
+        self.backends = [b for b in backends if urls[b.name] is not None]
+        self.skipped = [b for b in backends if urls[b.name] is None]
+        self._urls: dict[str, str] = {name: url for name, url in urls.items() if url is not None}
         if self.skipped:
             log.info(
-                "engine metrics: not scraping gRPC backend(s) %s (no HTTP /metrics; the http2 collector watches them)",
+                "engine metrics: not scraping gRPC backend(s) %s (no HTTP /metrics and no metrics_url; "
+                "the http2 collector watches them)",
                 ", ".join(b.name for b in self.skipped),
             )
         self._connections = KeepAlivePool() if fetch is None else None
@@ -341,7 +363,7 @@ class EngineCollector:
         return samples
 
     def status(self) -> CollectorStatus:
-        skipped = f"gRPC backend(s) not scraped (no HTTP /metrics): {', '.join(b.name for b in self.skipped)}" if self.skipped else None
+        skipped = f"gRPC backend(s) not scraped (no HTTP /metrics, no metrics_url): {', '.join(b.name for b in self.skipped)}" if self.skipped else None
         if not self.backends:
             return CollectorStatus(CollectorState.UNAVAILABLE, skipped or "no backends configured or discovered", None, 0)
         troubles = []
@@ -407,8 +429,7 @@ class EngineCollector:
         return out
 
     def _fetch_and_parse(self, backend: Backend) -> tuple[FetchResult, ParsedScrape | None, float]:
-        url = backend.url.rstrip("/") + self.config.metrics_path
-        result = self._fetch(url, self.config.timeout_seconds, self.config.max_response_bytes, PROMETHEUS_ACCEPT)
+        result = self._fetch(self._urls[backend.name], self.config.timeout_seconds, self.config.max_response_bytes, PROMETHEUS_ACCEPT)
         fetched_at = self._clock()
         if not result.ok:
             return result, None, fetched_at

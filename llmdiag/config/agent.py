@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from llmdiag.model import ENGINES, Backend
+from llmdiag.model.backend import BackendURLError, check_metrics_url
 
 __all__ = ["AgentConfig", "BackendEntry", "split_address"]
 
@@ -94,15 +95,24 @@ class BackendEntry:
     engine: str = ""
     models: tuple[str, ...] = ()
     labels: dict[str, str] = field(default_factory=dict)
+    #: Where the engine's Prometheus metrics live when not at ``url`` + ``/metrics``
+    #: (a gRPC port, Triton's 8002); empty: at ``url``.
+    metrics_url: str = ""
 
     def __post_init__(self) -> None:
         if not self.url:
             raise ValueError("a [[backends]] entry needs a url")
         if self.engine and self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.metrics_url:
+            try:
+                check_metrics_url(self.metrics_url)
+            except BackendURLError as exc:
+                raise ValueError(f"metrics_url: {exc}") from None
         self.to_backend()  # validates the URL
 
     def to_backend(self) -> Backend:
         return Backend.from_url(
-            self.url, name=self.name or None, engine=self.engine or None, models=self.models, labels=dict(self.labels)
+            self.url, name=self.name or None, engine=self.engine or None, models=self.models,
+            labels=dict(self.labels), metrics_url=self.metrics_url or None,
         )

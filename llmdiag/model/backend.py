@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["ENGINES", "Backend", "BackendURLError"]
+__all__ = ["ENGINES", "Backend", "BackendURLError", "check_metrics_url"]
 
 #: Engine kinds llmdiag knows how to read. ``openai`` is any OpenAI-compatible
 #: server without a known metrics dialect.
@@ -28,6 +28,10 @@ class Backend:
     for gRPC ones (TensorRT-LLM/Triton over gRPC). ``pid`` and ``gpus`` are
     filled by discovery when the process is on this host; ``engine`` may be
     ``None`` until discovery or the first scrape has told which engine it is.
+    ``metrics_url`` (optional, ``http(s)://host:port/path``) is where the
+    engine's Prometheus metrics live when not at ``url`` + ``/metrics``: a gRPC
+    port (Triton serves gRPC on 8001 and metrics on 8002) or a separate
+    metrics port. ``None``: the metrics are at ``url``.
     """
 
     name: str
@@ -37,11 +41,14 @@ class Backend:
     pid: int | None = None
     gpus: tuple[int, ...] = ()
     labels: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+    metrics_url: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a backend needs a non-empty name")
         split_backend_url(self.url)
+        if self.metrics_url is not None:
+            check_metrics_url(self.metrics_url)
         if self.engine is not None and self.engine not in ENGINES:
             raise ValueError(f"backend {self.name!r}: unknown engine {self.engine!r} (known: {', '.join(ENGINES)})")
 
@@ -73,7 +80,7 @@ class Backend:
         return replace(self, pid=pid, gpus=tuple(gpus))
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "url": self.url,
             "engine": self.engine,
@@ -82,6 +89,9 @@ class Backend:
             "gpus": list(self.gpus),
             "labels": dict(self.labels),
         }
+        if self.metrics_url is not None:  # only when set: older readers and recordings stay as they were
+            out["metrics_url"] = self.metrics_url
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Backend:
@@ -93,12 +103,30 @@ class Backend:
             pid=obj.get("pid"),
             gpus=tuple(obj.get("gpus") or ()),
             labels=dict(obj.get("labels") or {}),
+            metrics_url=obj.get("metrics_url") or None,
         )
 
 
 def _address(host: str, port: int) -> str:
     """``host:port``, with an IPv6 host in brackets as in URLs: ``[::1]:8201``, never ``::1:8201``."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_metrics_url(url: str) -> str:
+    """A ``metrics_url`` must be ``http(s)://host[:port][/path]`` (Prometheus scrapes are HTTP); raises
+    :class:`BackendURLError` otherwise, and returns the URL unchanged."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsing the port is what validates it
+    except (ValueError, AttributeError, TypeError) as exc:
+        raise BackendURLError(f"bad metrics URL {url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise BackendURLError(f"bad metrics URL {url!r}: scheme must be http or https")
+    if not parts.hostname:
+        raise BackendURLError(f"bad metrics URL {url!r}: no host")
+    if parts.fragment:
+        raise BackendURLError(f"bad metrics URL {url!r}: no #fragment")
+    return url
 
 
 def split_backend_url(url: str) -> tuple[str, str, int]:

@@ -17,12 +17,17 @@ vllm-1     from ``fault_at`` a client that does not pool connections    ``connec
            (``Connection: close``: TIME_WAIT piles up on the server)
 vllm-2     at ``fault_at`` loses 80 % of its KV cache and slows to      ``kv_cache_saturation`` /
            0.25x (a throttled GPU) while ``/health`` stays 200          ``queue_avalanche`` / ``false_healthy``
-vllm-3     at ``fault_at`` slows to 0.2x; impatient HTTP clients (2 s)  ``client_timeout_storm``
-           disconnect and a gRPC client (2 s deadline) cancels its      (RST_STREAM(CANCEL) on ``vllm-3-grpc``)
-           streams on the engine's h2c gRPC port
+vllm-3     at ``fault_at`` slows to 0.2x; impatient HTTP clients (2 s)  ``client_timeout_storm`` on ``vllm-3``
+           disconnect and a gRPC client (2 s deadline) cancels its      and (RST_STREAM(CANCEL)) on
+           streams on the engine's h2c gRPC port                        ``vllm-3-grpc``
 vllm-4     crashes at ``fault_at + 30`` s, down 20 s, then restarts     ``backend_down``
            cold (slow warm-up)
 ========== =========================================================== ===========================================
+
+``vllm-3-grpc`` is ``vllm-3``'s gRPC port as a backend of its own, with
+``vllm-3``'s ``/metrics`` as its ``metrics_url``: the two backends report the
+same engine metrics (TTFT, queue, KV), while the HTTP/2 signals (RST_STREAM)
+are the gRPC port's own.
 
 Request lengths of the background load are drawn from log-normal
 distributions fitted to the Azure LLM inference conversation trace (input
@@ -302,9 +307,16 @@ class DemoFleet:
         return {name + GRPC_SUFFIX: f"grpc://127.0.0.1:{grpc}" for name, (_, grpc) in self._ports.items() if grpc}
 
     def backends(self) -> list[Backend]:
-        """The running engines as backends: HTTP ones, then the gRPC ports."""
+        """The running engines as backends: HTTP ones, then the gRPC ports.
+
+        A gRPC backend's ``metrics_url`` is its engine's HTTP ``/metrics``, so ``vllm-3`` and
+        ``vllm-3-grpc`` report the same engine metrics (TTFT, queue, KV): one engine, two ports."""
         http = [Backend.from_url(url, name=name, engine="vllm", models=(self.model,)) for name, url in self.urls.items()]
-        grpc = [Backend.from_url(url, name=name, models=(self.model,)) for name, url in self.grpc_urls.items()]
+        # The gRPC port is the same engine as its HTTP port: its metrics live at that port's /metrics.
+        http_urls = self.urls
+        grpc = [Backend.from_url(url, name=name, models=(self.model,),
+                                 metrics_url=http_urls[name.removesuffix(GRPC_SUFFIX)] + "/metrics")
+                for name, url in self.grpc_urls.items()]
         return http + grpc
 
     def describe(self) -> str:

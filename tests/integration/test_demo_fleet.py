@@ -41,6 +41,11 @@ def test_fleet_serves_then_stops_everything() -> None:
         for name, url in fleet.urls.items():
             with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
                 assert resp.status == 200, name
+        # The gRPC port's metrics are its engine's: vllm-3-grpc's metrics_url is vllm-3's /metrics, and it answers.
+        grpc_backend = next(b for b in fleet.backends() if b.name == "vllm-3-grpc")
+        assert grpc_backend.metrics_url == fleet.urls["vllm-3"] + "/metrics"
+        with urllib.request.urlopen(grpc_backend.metrics_url, timeout=5) as resp:
+            assert resp.status == 200 and b"vllm:time_to_first_token_seconds" in resp.read()
         time.sleep(1.5)
         assert fleet.stats.sent > 0
     finally:
@@ -70,7 +75,8 @@ def test_demo_interrupted_prints_the_report_and_stops_its_engines(tmp_path: Path
         proc.kill()
     assert proc.returncode in (0, 1, 2), err
     assert "verdict:" in out and "recorded" in out, out + err
-    assert urls == ["vllm-0", "vllm-1", "vllm-2", "vllm-3", "vllm-4"]
+    # The engine collector scrapes vllm-3-grpc too: through its metrics_url (vllm-3's /metrics).
+    assert urls == ["vllm-0", "vllm-1", "vllm-2", "vllm-3", "vllm-3-grpc", "vllm-4"]
 
 
 def _engine_only(tmp_path: Path) -> Path:

@@ -3,7 +3,8 @@
 150 s of five fake engines on loopback under real load, watched by the real
 collectors (BPF tcp and http2 included: root) and analyzers; the recording
 is then diagnosed offline, with no config: each scripted fault must be named
-on the backend it was done to, and the healthy control must stay clean.
+on the backend it was done to (the timeout storm on ``vllm-3`` and on its gRPC
+port ``vllm-3-grpc``), and the healthy control must stay clean.
 This is the suite's one long test.
 """
 
@@ -54,5 +55,8 @@ def test_demo_recording_names_each_fault_on_its_backend(tmp_path: Path) -> None:
     assert found.get("vllm-1", set()) & {"connection_churn", "timewait_exhaustion"}, summary
     assert found.get("vllm-2", set()) & {"kv_cache_saturation", "queue_avalanche", "false_healthy"}, summary
     assert "client_timeout_storm" in found.get("vllm-3", set()), summary
+    # The gRPC port: its own RST_STREAM(CANCEL) joined with the engine's TTFT, read through its metrics_url.
+    assert "ttft_seconds" in snapshots[-1].backends["vllm-3-grpc"], snapshots[-1].backends["vllm-3-grpc"]
+    assert "client_timeout_storm" in found.get("vllm-3-grpc", set()), summary
     assert "backend_down" in found.get("vllm-4", set()), summary
     assert "vllm-0" not in worst, summary  # the healthy control: nothing at warning or worse

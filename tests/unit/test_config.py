@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from llmdiag.cli.main import main
-from llmdiag.config import Config, ConfigError, load_config, to_data
+from llmdiag.config import Config, ConfigError, load_config, to_data, to_toml
 
 
 def test_empty_file_is_all_defaults(tmp_path: Path) -> None:
@@ -36,6 +36,12 @@ def test_round_trip_through_plain_data() -> None:
     ("[agent]\ndiscover = 1\n", "must be true or false"),
     ('[[backends]]\nurl = "ftp://x:1"\n', "backends[0]"),
     ('[[backends]]\nname = "a"\n', "needs a url"),
+    ('[[backends]]\nurl = "grpc://h:8001"\nmetrics_url = "grpc://h:8002/metrics"\n',
+     "backends[0]': metrics_url: bad metrics URL 'grpc://h:8002/metrics': scheme must be http or https"),
+    ('[[backends]]\nurl = "grpc://h:8001"\nmetrics_url = "h:8002"\n', "metrics_url: bad metrics URL"),
+    ('[[backends]]\nurl = "grpc://h:8001"\nmetrics_url = "http://:8002/metrics"\n', "metrics_url: bad metrics URL"),
+    ('[[backends]]\nurl = "grpc://h:8001"\nmetrics_url = "http://h:99999/metrics"\n', "metrics_url: bad metrics URL"),
+    ('[[backends]]\nurl = "grpc://h:8001"\nmetrics_url = 8002\n', "config key 'backends[0].metrics_url' must be a string"),
     ('[[backends]]\nurl = "http://h:1"\n[[backends]]\nurl = "http://h:1"\n', "duplicate backend names: h:1"),
     ("[agent\n", "not valid TOML"),
 ])
@@ -44,6 +50,18 @@ def test_bad_config_names_the_key(text: str, message: str) -> None:
         Config.from_toml(text, source="test.toml")
     assert message in str(info.value)
     assert str(info.value).startswith("test.toml: ")
+
+
+def test_a_backend_names_where_its_metrics_live() -> None:
+    config = Config.from_toml(
+        '[[backends]]\nname = "triton"\nurl = "grpc://10.0.0.7:8001"\nmetrics_url = "http://10.0.0.7:8002/metrics"\n'
+        '[[backends]]\nurl = "http://10.0.0.7:8000"\n'
+    )
+    triton, plain = config.backend_list()
+    assert (triton.url, triton.metrics_url) == ("grpc://10.0.0.7:8001", "http://10.0.0.7:8002/metrics")
+    assert plain.metrics_url is None
+    assert Config.from_data(to_data(config)) == config
+    assert Config.from_toml(to_toml(config)) == config
 
 
 def test_backend_option_overrides_config() -> None:

@@ -382,6 +382,42 @@ def test_grpc_backends_are_skipped_not_down():
     assert "trt-grpc" in only_grpc.status().reason
 
 
+def test_grpc_backend_with_a_metrics_url_is_scraped_there_like_any_other():
+    # Triton-style: gRPC on one port, Prometheus metrics on another path and port.
+    with ScriptedServer({"/engine/metrics": [SYNTH_TEXT]}) as server:
+        grpc = Backend.from_url("grpc://127.0.0.1:9", name="triton-grpc", metrics_url=server.url + "/engine/metrics")
+        collector = EngineCollector([grpc])
+        snap = snapshot_of(collector, 0.0)
+        status = collector.status()
+        collector.close()
+    assert server.requests[0][0] == "/engine/metrics"
+    assert snap.backends["triton-grpc"]["up"] == 1
+    assert isinstance(snap.backends["triton-grpc"]["ttft_seconds"], Distribution)
+    assert collector.skipped == [] and status.status is CollectorState.OK and status.reason is None
+
+
+def test_a_metrics_url_without_a_path_gets_the_metrics_path():
+    with ScriptedServer({"/stats": [SYNTH_TEXT]}) as server:
+        backend = Backend.from_url("http://127.0.0.1:9", name="b", metrics_url=server.url)
+        collector = EngineCollector([backend], EngineConfig(metrics_path="/stats"))
+        snap = snapshot_of(collector, 0.0)
+        collector.close()
+    assert server.requests[0][0] == "/stats" and snap.backends["b"]["up"] == 1
+
+
+def test_a_dead_metrics_url_makes_the_grpc_backend_down_with_a_reason():
+    with metrics_server("unused") as server:
+        url = server.url
+    grpc = Backend.from_url("grpc://127.0.0.1:9", name="g", metrics_url=url + "/metrics")
+    collector = EngineCollector([grpc])
+    snap = snapshot_of(collector, 0.0)
+    collector.close()
+    assert snap.backends["g"]["up"] == 0
+    assert snap.backends["g"]["scrape_failure"] == {"reason=connection_refused": 1}
+    status = collector.status()
+    assert status.status is CollectorState.DEGRADED and "g: down" in status.reason
+
+
 def test_factory_is_registered():
     from llmdiag.agent.wiring import COLLECTOR_FACTORIES
     from llmdiag.config import Config

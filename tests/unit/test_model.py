@@ -168,6 +168,18 @@ def test_backend_urls() -> None:
     assert Backend.from_url("grpc://[::1]:8001").address == "[::1]:8001"
 
 
+def test_metrics_url_is_validated_and_serialised_only_when_set() -> None:
+    plain = Backend.from_url("http://10.0.0.7:8000")
+    assert plain.metrics_url is None and "metrics_url" not in plain.to_json()
+    triton = Backend.from_url("grpc://10.0.0.7:8001", name="triton", metrics_url="http://10.0.0.7:8002/metrics")
+    assert triton.to_json()["metrics_url"] == "http://10.0.0.7:8002/metrics"
+    assert Backend.from_json(json.loads(json.dumps(triton.to_json()))) == triton
+    assert Backend.from_json(plain.to_json()).metrics_url is None
+    for bad in ("grpc://h:8002", "h:8002/metrics", "http:///metrics", "https://h:99999/metrics", "http://h:1/m#x"):
+        with pytest.raises(BackendURLError, match="bad metrics URL"):
+            Backend.from_url("grpc://h:8001", metrics_url=bad)
+
+
 def test_ipv6_backends_are_named_as_everything_else_names_them() -> None:
     import socket
 

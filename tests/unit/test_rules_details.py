@@ -8,7 +8,7 @@ from llmdiag.analyzers import Analyzer
 from llmdiag.analyzers.timelines import SCENARIOS, TimelineBuilder, dist
 from llmdiag.config.analyzers import DiagnosisConfig
 from llmdiag.exporters.penalties import penalties_document
-from llmdiag.model import HOST, BackendPenalty, BackendState
+from llmdiag.model import HOST, BackendPenalty, BackendState, Labelled
 
 
 def _opened(t: TimelineBuilder, config: DiagnosisConfig | None = None):
@@ -65,6 +65,26 @@ def test_client_timeout_storm_counts_only_cancels_received_from_clients() -> Non
     assert "client_timeout_storm" not in {d.kind for d in opened}
     _, storm = _opened(SCENARIOS["client_timeout_storm"].build())
     assert "client_timeout_storm" in {d.kind for d in storm}
+
+
+def test_client_timeout_storm_on_a_grpc_port_whose_first_cancel_comes_with_the_storm() -> None:
+    # A gRPC port (no TCP peer-close counter) watched by the http2 collector, which labels only the
+    # RST_STREAM codes it has seen: nothing until the storm. "No CANCEL yet" must count as 0 so the
+    # baseline is learned while healthy; else the storm itself becomes the baseline and 3 cancels/s
+    # (below the 4x-of-min_rate bar of an unwarmed baseline) never fire.
+    t = TimelineBuilder()
+    grpc = t.backend("vllm-0").drop("tcp_peer_closes_total", "h2_rst_stream_total").set(h2_rst_stream_total=Labelled())
+    t.advance(40)
+    grpc.drop("h2_rst_stream_total").set(ttft_seconds=dist(6.0)).rate(
+        "h2_rst_stream_total", 3.0, code="CANCEL", direction="received")
+    _, opened = _opened(t.advance(10))
+    assert "client_timeout_storm" in {d.kind for d in opened if d.backend == "vllm-0"}, opened
+    # the same port, slow but with no cancels at all: no storm
+    quiet = TimelineBuilder()
+    quiet.backend("vllm-0").drop("tcp_peer_closes_total", "h2_rst_stream_total").set(h2_rst_stream_total=Labelled())
+    quiet.advance(40).backend("vllm-0").set(ttft_seconds=dist(6.0))
+    _, calm = _opened(quiet.advance(10))
+    assert "client_timeout_storm" not in {d.kind for d in calm}
 
 
 def test_vllm_aborts_are_left_out_of_the_error_ratio() -> None:

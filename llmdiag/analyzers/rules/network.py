@@ -70,6 +70,11 @@ class ClientTimeoutStorm(Rule[ClientTimeoutStormConfig]):
                     r = ctx.rate("b", b, f"h2_rst_stream_total{{{key}}}", span)
                     if r is not None:
                         rates.append(r)
+            if not rates and "h2_rst_stream_total" in signals:
+                # The http2 collector watches this gRPC port and labels only the codes it has seen:
+                # no CANCEL received yet is a rate of 0, not unknown, so the baseline is learned
+                # while the port is healthy (not first from the storm itself).
+                rates.append(0.0)
             peer = ctx.rate("b", b, "tcp_peer_closes_total", span)
             if peer is not None:
                 rates.append(peer)

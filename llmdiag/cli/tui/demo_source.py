@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator
 
 from llmdiag.agent.sources import LiveSource
 from llmdiag.agent.wiring import build_collectors
-from llmdiag.collectors.base import collect_snapshot
+from llmdiag.collectors.base import GuardedCollector, collect_snapshot
 from llmdiag.config import Config
-from llmdiag.model import Snapshot
+from llmdiag.model import CollectorStatus, Snapshot
 from llmdiag.sim.demo_fleet import DEMO_COLLECTORS, DemoFleet
 
 __all__ = ["demo_snapshots", "demo_source"]
@@ -22,8 +22,9 @@ def demo_snapshots(config: Config, fleet: DemoFleet, *, duration: float | None =
 
     Ports are reserved and the collectors built before the fleet starts (if it has
     not yet). The HTTP engines go to the engine, proc, tcp and timewait collectors; the gRPC
-    ports (``vllm-3-grpc``) only to the http2 collector, which is the one that can
-    read them (the engine collector scrapes ``/metrics`` over HTTP). Collectors
+    ports (``vllm-3-grpc``) to the http2 collector, which is the one that can read
+    their frames, and to the engine collector, which scrapes their ``metrics_url``
+    (the same engine's HTTP ``/metrics``). Collectors
     are closed when the generator ends or is closed.
     """
     fleet.reserve_ports()
@@ -32,10 +33,19 @@ def demo_snapshots(config: Config, fleet: DemoFleet, *, duration: float | None =
     grpc = [b for b in backends if b.scheme == "grpc"]
     wanted = list(config.agent.collectors or DEMO_COLLECTORS)  # [agent] collectors narrows them
     names = [n for n in wanted if n != "http2"]
-    collectors, unavailable = build_collectors(config, http, names)
+    # The engine collector scrapes a gRPC port's metrics_url (vllm-3-grpc reads vllm-3's /metrics);
+    # the host collectors (proc, tcp, timewait) watch the HTTP ports only.
+    per_list = [(http + [b for b in grpc if b.metrics_url], [n for n in names if n == "engine"]),
+                (http, [n for n in names if n != "engine"])]
     if grpc and "http2" in wanted:
+        per_list.append((grpc, ["http2"]))
+    collectors: list[GuardedCollector] = []
+    unavailable: dict[str, CollectorStatus] = {}
+    for some_backends, some_names in per_list:
+        if not some_names:
+            continue
         try:
-            more, more_unavailable = build_collectors(config, grpc, ["http2"])
+            more, more_unavailable = build_collectors(config, some_backends, some_names)
         except BaseException:
             for c in collectors:
                 c.close()
