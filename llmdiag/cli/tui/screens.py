@@ -180,7 +180,9 @@ class FleetScreen(_Base):
                 old = self._cells_shown.get(row.name)
                 for (_, key), cell, before in zip(self.COLUMNS, cells, old or [None] * len(cells)):
                     if str(cell) != str(before) or getattr(cell, "style", None) != getattr(before, "style", None):
-                        table.update_cell(row.name, key, cell)
+                        # update_width: a column grows to fit a wider value (else "degraded" shows
+                        # as "degra" when the row was first added while "healthy").
+                        table.update_cell(row.name, key, cell, update_width=True)
                 self._cells_shown[row.name] = cells
         else:
             table.clear()
