@@ -225,7 +225,7 @@ def _healthy_backend() -> Subject:
     )
     s.rate("preemptions_total", 0.0)
     s.rate("requests_finished_total", 4.0, reason="stop").rate("requests_finished_total", 0.0, reason="error")
-    s.rate("prompt_tokens_total", 2000.0).rate("generation_tokens_total", 800.0)
+    s.rate("prompt_tokens_total", 2000.0).rate("generation_tokens_total", 800.0).rate("engine_steps_total", 25.0)
     s.rate("responses_total", 4.0, **{"class": "ok"})
     s.rate("responses_total", 0.0, **{"class": "server_5xx"})
     s.rate("tcp_sends_total", 200.0).rate("tcp_send_bytes_total", 1e6).rate("tcp_retransmits_total", 0.2)
@@ -488,12 +488,12 @@ def backend_down() -> TimelineBuilder:
 def engine_stalled() -> TimelineBuilder:
     t = _warm()  # a hung collective: /metrics still answers, the batch stays in, nothing comes out
     b = t.backend("vllm-0")
-    for counter in ("prompt_tokens_total", "generation_tokens_total"):
+    for counter in ("prompt_tokens_total", "generation_tokens_total", "engine_steps_total"):
         b.rate(counter, 0.0)
     b.rate("requests_finished_total", 0.0, reason="stop")
     b.set(requests_waiting=2.0)
     t.advance(12)
-    b.rate("prompt_tokens_total", 2000.0).rate("generation_tokens_total", 800.0)  # it recovers
+    b.rate("prompt_tokens_total", 2000.0).rate("generation_tokens_total", 800.0).rate("engine_steps_total", 25.0)  # it recovers
     b.rate("requests_finished_total", 4.0, reason="stop")
     b.set(requests_waiting=0.0)
     return t.advance(12)
@@ -501,14 +501,14 @@ def engine_stalled() -> TimelineBuilder:
 
 def long_prefill_alone() -> TimelineBuilder:
     t = _warm()  # one 128k-token prompt, nothing else: no token counted until its prefill ends
-    b = t.backend("vllm-0")
-    for counter in ("prompt_tokens_total", "generation_tokens_total"):
+    b = t.backend("vllm-0")  # (and, at worst, no step either: chunks that produce no token)
+    for counter in ("prompt_tokens_total", "generation_tokens_total", "engine_steps_total"):
         b.rate(counter, 0.0)
     b.rate("requests_finished_total", 0.0, reason="stop")
     b.set(requests_running=1.0, requests_waiting=0.0)
     t.advance(4)
     b.bump("prompt_tokens_total", 128000)
-    b.rate("generation_tokens_total", 30.0)
+    b.rate("generation_tokens_total", 30.0).rate("engine_steps_total", 30.0)
     return t.advance(10)
 
 

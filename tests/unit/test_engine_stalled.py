@@ -28,7 +28,7 @@ def test_a_hung_batch_opens_after_stalled_seconds_critical_and_closes_when_token
     evidence = {e.signal: e for e in d.evidence}
     assert evidence["requests_running"].value == 8.0 and evidence["requests_waiting"].value == 2.0
     assert evidence["stalled_seconds"].value >= 5.0 and evidence["stalled_seconds"].threshold == 5.0
-    assert "no token produced" in d.summary and "8 running" in d.summary
+    assert "no engine step and no token" in d.summary and "8 running" in d.summary
     at_open = next(r for r in results if r.ts == opened_at)
     assert at_open.backends["vllm-0"].penalty == 1.0 and at_open.backends["vllm-1"].penalty == 0.0
     (closed_at, _), = _episodes(results)[1]
@@ -41,8 +41,9 @@ def test_one_stalled_data_parallel_engine_is_found_behind_a_moving_backend_sum()
     e0, e1 = t.engine("vllm-0", "0"), t.engine("vllm-0", "1")
     for e in (e0, e1):
         e.set(requests_running=4.0, requests_waiting=0.0).rate("generation_tokens_total", 400.0).rate("prompt_tokens_total", 900.0)
+        e.rate("engine_steps_total", 20.0)
     t.advance(5)
-    e1.rate("generation_tokens_total", 0.0).rate("prompt_tokens_total", 0.0)
+    e1.rate("generation_tokens_total", 0.0).rate("prompt_tokens_total", 0.0).rate("engine_steps_total", 0.0)
     t.advance(8)
     (_, d), = _episodes(_run(t))[0]
     assert d.summary.startswith("engine 1: ")
@@ -52,7 +53,8 @@ def test_one_stalled_data_parallel_engine_is_found_behind_a_moving_backend_sum()
 def test_an_idle_engine_is_not_stalled() -> None:
     t = TimelineBuilder().advance(30)
     b = t.backend("vllm-0").set(requests_running=0.0, requests_waiting=0.0)
-    b.rate("prompt_tokens_total", 0.0).rate("generation_tokens_total", 0.0).rate("requests_finished_total", 0.0, reason="stop")
+    b.rate("prompt_tokens_total", 0.0).rate("generation_tokens_total", 0.0).rate("engine_steps_total", 0.0)
+    b.rate("requests_finished_total", 0.0, reason="stop")
     t.advance(30)
     assert _episodes(_run(t))[0] == []
 
@@ -60,7 +62,8 @@ def test_an_idle_engine_is_not_stalled() -> None:
 def test_work_that_arrives_on_an_idle_engine_counts_from_its_arrival() -> None:
     t = TimelineBuilder().advance(30)
     b = t.backend("vllm-0").set(requests_running=0.0, requests_waiting=0.0)
-    b.rate("prompt_tokens_total", 0.0).rate("generation_tokens_total", 0.0).rate("requests_finished_total", 0.0, reason="stop")
+    b.rate("prompt_tokens_total", 0.0).rate("generation_tokens_total", 0.0).rate("engine_steps_total", 0.0)
+    b.rate("requests_finished_total", 0.0, reason="stop")
     t.advance(20)  # idle for 20 s: counters flat, and rightly so
     b.set(requests_running=1.0)
     t.advance(3)  # a request arrived and has produced nothing for 3 s: not yet a stall
@@ -69,13 +72,20 @@ def test_work_that_arrives_on_an_idle_engine_counts_from_its_arrival() -> None:
     assert len(_episodes(_run(t))[0]) == 1
 
 
-def test_an_engine_without_token_counters_is_not_judged() -> None:
+def test_an_engine_that_does_not_count_its_steps_is_not_judged() -> None:
     t = TimelineBuilder().advance(30)
     b = t.backend("vllm-0")
-    b.rate("prompt_tokens_total", 0.0).rate("generation_tokens_total", 0.0).rate("requests_finished_total", 0.0, reason="stop")
+    b.rate("prompt_tokens_total", 0.0).rate("generation_tokens_total", 0.0).rate("engine_steps_total", 0.0)
     t.advance(10)
-    assert len(_episodes(_run(t))[0]) == 1  # with its counters, this engine is stalled
-    for s in t.snapshots:  # TGI, Triton: no prompt/generation token counters
-        for name in ("prompt_tokens_total", "generation_tokens_total", "requests_finished_total"):
-            del s.backends["vllm-0"][name]
+    assert len(_episodes(_run(t))[0]) == 1  # with its step counter, this engine is stalled
+    for s in t.snapshots:  # SGLang, TGI: tokens counted only when a request ends; no step counter
+        del s.backends["vllm-0"]["engine_steps_total"]
+    assert _episodes(_run(t))[0] == []
+
+
+def test_steps_without_tokens_are_progress() -> None:
+    t = TimelineBuilder().advance(30)
+    b = t.backend("vllm-0").set(requests_running=1.0, requests_waiting=0.0)
+    b.rate("prompt_tokens_total", 0.0).rate("generation_tokens_total", 0.0)  # a long chunked prefill,
+    t.advance(12)  # its chunks counted as steps (engine_steps_total still at 25/s)
     assert _episodes(_run(t))[0] == []

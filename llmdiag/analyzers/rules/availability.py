@@ -144,13 +144,17 @@ class BackendDown(Rule[BackendDownConfig]):
         return evidence, phrases
 
 
-#: Counters that move whenever the engine does work: prefill and decode tokens. (Finished
+#: The engine's step counter (vLLM's ``iteration_tokens_total`` observations): a rule input only
+#: where the engine counts per step. SGLang and TGI count their tokens when a request ends, so a
+#: long generation would look like a stall there; they are not judged.
+_STEPS = "engine_steps_total"
+#: Counters that move whenever the engine does work: steps, prefill and decode tokens. (Finished
 #: requests are not progress: a client that gives up on a hung engine "finishes" as an abort.)
-_PROGRESS = ("generation_tokens_total", "prompt_tokens_total")
+_PROGRESS = (_STEPS, "generation_tokens_total", "prompt_tokens_total")
 
 
 class EngineStalled(Rule[EngineStalledConfig]):
-    """Requests running or waiting, and no prompt or generation token for
+    """Requests running or waiting, and no engine step and no prompt or generation token for
     ``stalled_seconds``: the engine answers its scrapes and makes no progress (a hung NCCL
     collective, a deadlocked scheduler, a wedged GPU). ``up`` stays 1, the queue may not grow
     at light traffic, and TTFT is only measured once a first token comes, so no other rule
@@ -160,7 +164,7 @@ class EngineStalled(Rule[EngineStalledConfig]):
     stalled engine of four still moves the backend's sums), else on the backend. Critical,
     penalty 1 (``critical_penalty``). Closes at the first progress, after ``hold_seconds``.
     No data (``None``) for an engine whose scrape failed (that is ``backend_down``) or that
-    exposes no token counters (Triton, TGI).
+    does not count its steps (``engine_steps_total``: vLLM does; SGLang, TGI, Triton do not).
     """
 
     kind = "engine_stalled"
@@ -189,11 +193,11 @@ class EngineStalled(Rule[EngineStalledConfig]):
             evidence = [
                 ev(f"{prefix}requests_running", running, None, None),
                 ev(f"{prefix}requests_waiting", waiting, None, None),
-                ev(f"{prefix}prompt_tokens_total + generation_tokens_total (increase)", 0.0, 0.0, stalled_for or None),
+                ev(f"{prefix}engine_steps_total + prompt and generation tokens (increase)", 0.0, 0.0, stalled_for or None),
                 ev("stalled_seconds", stalled_for, cfg.stalled_seconds, None),
             ]
             summary = (
-                f"{where}no token produced for {_secs(stalled_for)} "
+                f"{where}no engine step and no token for {_secs(stalled_for)} "
                 f"with {running:g} running and {waiting:g} waiting"
             )
             yield b, "", self.finding(enter, stay, Severity.CRITICAL, summary, evidence, 0.9)
@@ -202,15 +206,16 @@ class EngineStalled(Rule[EngineStalledConfig]):
 def _stall(ctx: Context, scope: str, subject: str) -> tuple[float, float, float] | None:
     """``(seconds without progress while work was present, running, waiting)`` for one engine or
     backend now; 0 seconds when it progressed at the last tick or holds no work; ``None``
-    without token counters or a running gauge."""
+    without a step counter or a running gauge."""
     windows = ctx.windows
     running_s = windows.series(series_key(scope, subject, "requests_running"))
     if running_s is None or not len(running_s):
         return None
+    steps = windows.series(series_key(scope, subject, _STEPS))
+    if steps is None or len(steps) < 2:
+        return None
     progress = [windows.series(series_key(scope, subject, c)) for c in _PROGRESS]
     progress = [p for p in progress if p is not None and len(p) >= 2]
-    if not progress:
-        return None
     running = running_s.values[-1]
     waiting_s = windows.series(series_key(scope, subject, "requests_waiting"))
     waiting = waiting_s.values[-1] if waiting_s is not None and len(waiting_s) else 0.0
