@@ -1,6 +1,6 @@
 """Detection latency of ``llmdiag agent``: fault injected -> ``/v1/penalties`` -> HAProxy weight.
 
-    PYTHONPATH=. .venv/bin/python bench/bench_agent_detection.py --runs 5      # ~4 min, as root
+    PYTHONPATH=. .venv/bin/python bench/bench_agent_detection.py --runs 5      # ~8 min, as root
 
 Set-up, all real and on 127.0.0.1: three fake engines (``llama-70b-a100-tp8`` preset), one
 ``llmdiag agent`` with its defaults (1 s ticks, every collector that can run here) and
@@ -11,7 +11,11 @@ Each run injects one fault into ``vllm-2`` at an instant the harness knows exact
 "the signal appears" at T0:
 
 * ``crash``: SIGKILL of the engine process (the port refuses from then on);
-* ``hang``: SIGSTOP (the port still accepts, ``/metrics`` never answers: an engine hanging).
+* ``hang``: SIGSTOP (the port still accepts, ``/metrics`` never answers: an engine hanging);
+* ``stall``: the engine stops making progress while its ``/metrics`` still answers (a hung
+  collective; ``--faults stall:start=S``). The engine is restarted with that schedule before the
+  run, and T0 is S after its first answered ``/metrics`` poll; its clock started at most one poll
+  (0.1 s) before that, so T0 is at most ~0.1 s late and the latency at most that much short.
 
 T1 is the first ``/v1/penalties`` (polled every 50 ms) in which vllm-2 carries a penalty or
 is ejected; T2 the first HAProxy ``show servers state`` (polled every 50 ms) in which it is
@@ -43,10 +47,17 @@ from agent_support import AgentProcess, free_port, http, llmdiag, stop, wait_for
 RESULTS = REPO / "bench" / "results" / "agent_detection.json"
 ENGINE = ["--profile", "llama-70b-a100-tp8", "--kv-capacity", "60000", "--model", "fake/llama-70b"]
 POLL = 0.05
+KINDS = ("crash", "hang", "stall")
 
 
-def start_engine(port: int) -> subprocess.Popen[str]:
-    proc = llmdiag("fake-engine", "--port", str(port), *ENGINE, stdout=subprocess.DEVNULL)
+#: Seconds after its start at which a ``stall`` run's engine stops making progress: time enough
+#: for it to be back at full weight in HAProxy first.
+STALL_AT = 25.0
+
+
+def start_engine(port: int, faults: str | None = None) -> subprocess.Popen[str]:
+    extra = ["--faults", faults] if faults else []
+    proc = llmdiag("fake-engine", "--port", str(port), *ENGINE, *extra, stdout=subprocess.DEVNULL)
     wait_for("the engine", lambda: http(f"http://127.0.0.1:{port}/metrics", timeout=1)[0] == 200, 30, 0.1)
     return proc
 
@@ -136,15 +147,26 @@ backend llm
         agent.wait_ready(ticks=3, timeout=180)
         wait_for("HAProxy", sock.exists, 10)
         threading.Thread(target=load, daemon=True).start()
-        for n in range(args.runs * 2):
-            kind = ("crash", "hang")[n % 2]
+        for n in range(args.runs * len(KINDS)):
+            kind = KINDS[n % len(KINDS)]
+            stall_at = None
+            if kind == "stall":
+                stop(engines[2])
+                engines[2] = start_engine(ports[2], f"stall:start={STALL_AT:g},duration=60")
+                stall_at = time.monotonic() + STALL_AT
             # Healthy and at full weight before each injection.
             wait_for("vllm-2 back to full health", lambda: not penalised(agent) and servers_state(sock)["vllm-2"][0] == 2
                      and servers_state(sock)["vllm-2"][2] >= 90, 180, 0.25)
             before = servers_state(sock)["vllm-2"]
             proc = engines[2]
-            t0 = time.monotonic()
-            proc.send_signal(signal.SIGKILL if kind == "crash" else signal.SIGSTOP)
+            if stall_at is None:
+                t0 = time.monotonic()
+                proc.send_signal(signal.SIGKILL if kind == "crash" else signal.SIGSTOP)
+            else:
+                if time.monotonic() > stall_at - 1:
+                    raise RuntimeError("the stall began before vllm-2 was back at full weight: raise STALL_AT")
+                time.sleep(stall_at - time.monotonic())
+                t0 = time.monotonic()
             t1 = t2 = None
             while time.monotonic() - t0 < 60 and (t1 is None or t2 is None):
                 if t1 is None and penalised(agent):
@@ -167,7 +189,7 @@ backend llm
         for proc in engines:
             stop(proc)
     summary = {}
-    for kind in ("crash", "hang"):
+    for kind in KINDS:
         mine = [r for r in runs if r["fault"] == kind]
         for key in ("penalty_seconds", "haproxy_seconds"):
             values = sorted(float(r[key]) for r in mine if r[key] is not None)  # type: ignore[arg-type]

@@ -225,7 +225,7 @@ def _healthy_backend() -> Subject:
     )
     s.rate("preemptions_total", 0.0)
     s.rate("requests_finished_total", 4.0, reason="stop").rate("requests_finished_total", 0.0, reason="error")
-    s.rate("prompt_tokens_total", 2000.0).rate("generation_tokens_total", 800.0)
+    s.rate("prompt_tokens_total", 2000.0).rate("generation_tokens_total", 800.0).rate("engine_steps_total", 25.0)
     s.rate("responses_total", 4.0, **{"class": "ok"})
     s.rate("responses_total", 0.0, **{"class": "server_5xx"})
     s.rate("tcp_sends_total", 200.0).rate("tcp_send_bytes_total", 1e6).rate("tcp_retransmits_total", 0.2)
@@ -485,6 +485,33 @@ def backend_down() -> TimelineBuilder:
     return t.advance(15)
 
 
+def engine_stalled() -> TimelineBuilder:
+    t = _warm()  # a hung collective: /metrics still answers, the batch stays in, nothing comes out
+    b = t.backend("vllm-0")
+    for counter in ("prompt_tokens_total", "generation_tokens_total", "engine_steps_total"):
+        b.rate(counter, 0.0)
+    b.rate("requests_finished_total", 0.0, reason="stop")
+    b.set(requests_waiting=2.0)
+    t.advance(12)
+    b.rate("prompt_tokens_total", 2000.0).rate("generation_tokens_total", 800.0).rate("engine_steps_total", 25.0)  # it recovers
+    b.rate("requests_finished_total", 4.0, reason="stop")
+    b.set(requests_waiting=0.0)
+    return t.advance(12)
+
+
+def long_prefill_alone() -> TimelineBuilder:
+    t = _warm()  # one 128k-token prompt, nothing else: no token counted until its prefill ends
+    b = t.backend("vllm-0")  # (and, at worst, no step either: chunks that produce no token)
+    for counter in ("prompt_tokens_total", "generation_tokens_total", "engine_steps_total"):
+        b.rate(counter, 0.0)
+    b.rate("requests_finished_total", 0.0, reason="stop")
+    b.set(requests_running=1.0, requests_waiting=0.0)
+    t.advance(4)
+    b.bump("prompt_tokens_total", 128000)
+    b.rate("generation_tokens_total", 30.0).rate("engine_steps_total", 30.0)
+    return t.advance(10)
+
+
 def healthy() -> TimelineBuilder:
     return _warm().advance(60)
 
@@ -500,6 +527,7 @@ def kv_flapping_at_threshold() -> TimelineBuilder:
 
 _POSITIVE: list[tuple[Callable[[], TimelineBuilder], tuple[str, ...], str]] = [
     (backend_down, ("backend_down",), "allocation failures at KV 83 %, then the engine refuses connections for 12 s"),
+    (engine_stalled, ("engine_stalled",), "8 running, 2 waiting, no token for 12 s, then it recovers"),
     (kv_cache_saturation, ("kv_cache_saturation",), "KV cache at 97 % with preemptions and a queue"),
     (kv_packed_no_queue, ("kv_cache_saturation",), "KV 90 % used with nothing waiting (info, small penalty)"),
     (queue_avalanche, ("queue_avalanche",), "waiting climbs 2 -> 35 while TTFT climbs 0.3 -> 3 s"),
@@ -533,6 +561,7 @@ _NEGATIVE: list[tuple[Callable[[], TimelineBuilder], str]] = [
     (counter_reset, "an engine restart resets every counter"),
     (scrape_gap, "one failed scrape and a 4 s agent pause"),
     (kv_flapping_at_threshold, "KV crossing 0.85 for 2 s at a time"),
+    (long_prefill_alone, "one long prefill alone: no token for 4 s"),
 ]
 
 _EXTRA: dict[str, tuple[str, tuple[str, ...]]] = {

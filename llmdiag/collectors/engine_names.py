@@ -78,6 +78,7 @@ class Kind(enum.Enum):
     LABELLED_GAUGE = "labelled_gauge"  # a gauge split by a label (-> Labelled signal)
     HISTOGRAM = "histogram"  # _bucket/_count/_sum -> Distribution over the window
     HISTOGRAM_SUM_COUNTER = "histogram_sum_counter"  # a histogram's _sum used as a counter (TGI token totals)
+    HISTOGRAM_COUNT_COUNTER = "histogram_count_counter"  # a histogram's _count used as a counter (vLLM engine steps)
     MEAN_COUNTERS = "mean_counters"  # cumulative duration counter / cumulative count (Triton core)
     RATIO = "ratio"  # gauge(selector) / gauge(denominator selector)
     PRODUCT = "product"  # gauge(selector) * gauge(second metric/selector)
@@ -146,6 +147,7 @@ AGGREGATION: dict[str, str] = {
     "responses_total": "sum",
     "prompt_tokens_total": "sum",
     "generation_tokens_total": "sum",
+    "engine_steps_total": "sum",
     "ttft_seconds": "distribution",
     "itl_seconds": "distribution",
     "e2e_seconds": "distribution",
@@ -196,6 +198,9 @@ VLLM = Dialect(
         Rule("requests_finished_total", LC, "vllm:request_success_total", source_label="finished_reason"),
         Rule("prompt_tokens_total", C, "vllm:prompt_tokens_total"),
         Rule("generation_tokens_total", C, "vllm:generation_tokens_total"),
+        # One observation per engine step (tokens in that step): its count is the steps taken, the
+        # progress signal engine_stalled reads. Other engines count tokens only at a request's end.
+        Rule("engine_steps_total", Kind.HISTOGRAM_COUNT_COUNTER, "vllm:iteration_tokens_total"),
         # The API server's own count of answers by status (no engine label: DP engine "0").
         Rule("responses_total", Kind.RESPONSE_CLASSES, "http_requests_total", source_label="status"),
     ),

@@ -56,7 +56,9 @@ def _wanted_names() -> frozenset[str]:
     names = set()
     for dialect in DIALECTS:
         for rule in dialect.rules:
-            for base in (rule.canonical, rule.canonical_other):
+            # A histogram whose own name ends in _total (vllm:iteration_tokens_total) keeps it in
+            # its parts' names: _total_count, not _count.
+            for base in (rule.canonical, rule.canonical_other, rule.metric.replace(":", "_")):
                 if base:
                     names.update(base + suffix for suffix in _SUFFIXES)
     return frozenset(names)
@@ -366,11 +368,13 @@ def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[st
             )
             out[engine] = lambda r, h=hist: r.histograms.__setitem__(signal, h)
 
-    elif kind is Kind.HISTOGRAM_SUM_COUNTER:
-        for engine, rows in _group(parsed.series.get(name + "_sum", []), rule.match, dialect).items():
+    elif kind in (Kind.HISTOGRAM_SUM_COUNTER, Kind.HISTOGRAM_COUNT_COUNTER):
+        part, factor = ("_sum", scale) if kind is Kind.HISTOGRAM_SUM_COUNTER else ("_count", 1.0)
+        series = parsed.series.get(name + part) or parsed.series.get(rule.metric.replace(":", "_") + part, [])
+        for engine, rows in _group(series, rule.match, dialect).items():
             values = _finite([v for _, v in rows])
             if values:
-                out[engine] = lambda r, v=math.fsum(values) * scale: r.counters.__setitem__(signal, v)
+                out[engine] = lambda r, v=math.fsum(values) * factor: r.counters.__setitem__(signal, v)
 
     elif kind is Kind.MEAN_COUNTERS:
         totals = _group(parsed.series.get(name, []), rule.match, dialect)

@@ -91,9 +91,17 @@ class RuleConfig:
 class BackendDownConfig(RuleConfig):
     """A backend that stopped answering: critical, penalty 1 (the balancer ejects it)."""
 
-    #: Failed scrapes must go on this long to open it: 1 s = two failed scrapes at the default
-    #: 1 s tick, so one lost scrape is not an outage.
-    for_seconds: float = 1.0
+    #: Opens once the engine has gone unanswered this long since its last good scrape, as the
+    #: engine collector measures it (``scrape_age_seconds``): 1.5 s = two failed scrapes at the
+    #: default 1 s tick, or one scrape that hung for its whole 1 s deadline (``[engine]
+    #: timeout_seconds``). One quick failure after a good scrape is not an outage.
+    unanswered_seconds: float = 1.5
+    #: A refused connection opens it at the first refusal: nothing listens on the port (the
+    #: process died or is restarting), which every request sent there would meet too. ``false``
+    #: treats refusals like any other failure (``unanswered_seconds``).
+    open_on_refused: bool = True
+    #: Extra hold on top of ``unanswered_seconds`` (the generic enter delay); 0 by default.
+    for_seconds: float = 0.0
     hold_seconds: float = 5.0
     penalty: float = 1.0
     critical_penalty: float = 1.0
@@ -106,8 +114,27 @@ class BackendDownConfig(RuleConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _nonneg("recover_seconds", self.recover_seconds)
+        _nonneg("unanswered_seconds", self.unanswered_seconds)
         if not self.lookback_seconds > 0:
             raise ValueError(f"lookback_seconds must be > 0, got {self.lookback_seconds}")
+
+
+@dataclass(frozen=True)
+class EngineStalledConfig(RuleConfig):
+    """An engine with work that produces nothing (a hang its /metrics does not show): critical."""
+
+    #: No prompt or generation token for this long, with requests
+    #: running or waiting the whole time, opens it. A decoding batch produces tokens every step
+    #: (tens of ms); 5 s also covers one long chunked prefill on its own.
+    stalled_seconds: float = 5.0
+    hold_seconds: float = 5.0
+    penalty: float = 1.0
+    critical_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.stalled_seconds > 0:
+            raise ValueError(f"stalled_seconds must be > 0, got {self.stalled_seconds}")
 
 
 @dataclass(frozen=True)
@@ -416,6 +443,7 @@ class DiagnosisConfig:
     degraded_penalty: float = 0.2
 
     backend_down: BackendDownConfig = field(default_factory=BackendDownConfig)
+    engine_stalled: EngineStalledConfig = field(default_factory=EngineStalledConfig)
     kv_cache_saturation: KvCacheSaturationConfig = field(default_factory=KvCacheSaturationConfig)
     queue_avalanche: QueueAvalancheConfig = field(default_factory=QueueAvalancheConfig)
     false_healthy: FalseHealthyConfig = field(default_factory=FalseHealthyConfig)

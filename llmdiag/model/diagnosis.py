@@ -41,6 +41,7 @@ PENALTIES_SCHEMA = "llmdiag.penalties/v1"
 #: The diagnosis catalog (SPEC section 5).
 DIAGNOSIS_KINDS = (
     "backend_down",
+    "engine_stalled",
     "kv_cache_saturation",
     "queue_avalanche",
     "false_healthy",

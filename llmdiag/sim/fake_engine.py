@@ -59,6 +59,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+#: vLLM's iteration_tokens_total buckets (cudagraph capture sizes up to max_num_batched_tokens).
+ITERATION_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
 BLOCK_SIZE = 16
 
 
@@ -159,6 +161,9 @@ class FakeEngine:
                               labels, buckets=ITL_BUCKETS, registry=reg).labels(*lv)
         self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                               labels, buckets=E2E_BUCKETS, registry=reg).labels(*lv)
+        # vLLM observes the tokens of every engine step here: its count is the steps taken.
+        self._iteration_tokens = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                           labels, buckets=ITERATION_BUCKETS, registry=reg).labels(*lv)
         self._queue_time = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase.",
                                      labels, buckets=E2E_BUCKETS, registry=reg).labels(*lv)
         # vLLM's API server: Instrumentator(excluded_handlers=["/metrics", "/health", ...]) with
@@ -367,11 +372,13 @@ class FakeEngine:
                 # Scheduled in the step that began at ``started``: its time in WAITING ended then.
                 stream.admitted_at = started
                 self._queue_time.observe(max(0.0, started - stream.arrival))
+        step_tokens = 0
         for req in first:
             stream = self._streams.get(req.rid)
             if stream is not None:
                 self._ttft.observe(now - stream.arrival)
                 self._prompt_tokens.inc(req.prompt)
+                step_tokens += req.prompt
         # Deliver the tokens each decoding request produced in this step.
         for stream in self._streams.values():
             req = stream.req
@@ -390,7 +397,9 @@ class FakeEngine:
                 stream.last_at = now
                 stream.sent += new
                 self._gen_tokens.inc(new)
+                step_tokens += new
                 stream.queue.put_nowait(new)
+        self._iteration_tokens.observe(step_tokens)
         for req in finished:
             stream = self._streams.get(req.rid)
             if stream is None:

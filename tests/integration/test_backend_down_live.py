@@ -61,3 +61,18 @@ def test_an_engine_that_restarts_closes_backend_down_with_hysteresis(tmp_path) -
     assert not down["open"] and down["closed_at"] - down["since"] >= 3 + 3 - 1  # down ~3 s, then held 3 s
     (health,) = report["backends"].values()
     assert health["penalty"] < 1.0  # answering again at the end: no longer ejected
+
+
+def test_engine_that_stalls_under_load_is_engine_stalled_while_its_metrics_answer(tmp_path) -> None:
+    # The engine stops making progress at 1 s and stays stalled; its /metrics keeps answering.
+    with loaded_engine("stall:start=1,duration=60", rps=10) as engine:
+        run = llmdiag("--backend", engine.url, "diagnose", "--duration", "9", "--json", config=ENGINE_ONLY, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    report = json.loads(run.stdout)
+    kinds = {d["kind"] for d in report["diagnoses"]}
+    assert "backend_down" not in kinds  # it answers: not down
+    (stalled,) = [d for d in report["diagnoses"] if d["kind"] == "engine_stalled"]
+    assert stalled["severity"] == "critical" and stalled["open"]
+    evidence = {e["signal"].rpartition(".")[2]: e["value"] for e in stalled["evidence"]}  # engines[0].requests_running
+    assert evidence["requests_running"] + evidence["requests_waiting"] > 0
+    assert evidence["stalled_seconds"] >= 5.0

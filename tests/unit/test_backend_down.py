@@ -22,17 +22,18 @@ def _episode(results, kind="backend_down", backend="vllm-0"):
     return opened, closed
 
 
-def test_crash_opens_within_two_ticks_critical_with_penalty_one_and_what_was_last_seen() -> None:
+def test_crash_opens_at_the_first_refusal_critical_with_penalty_one_and_what_was_last_seen() -> None:
     t = SCENARIOS["backend_down"].build()
     results = _run(t)
     (opened_at, d), = _episode(results)[0]
     crash = t.start + 40 + 3 + 1  # warm-up 40 s, 3 s of failures building, first refused scrape
-    assert d.since == crash and opened_at == crash + 1  # two failed scrapes at the 1 s tick
+    assert d.since == crash and opened_at == crash  # nothing listens: no second scrape needed
     assert d.severity is Severity.CRITICAL and d.penalty == 1.0
     evidence = {e.signal: e for e in d.evidence}
     assert evidence["scrape_failure"].value == "connection_refused"
     assert evidence["scrape_failure"].window_seconds is None  # a current value, not "0s"
-    assert evidence["up"].value == 0.0 and evidence["up"].window_seconds == 1.0
+    assert evidence["up"].value == 0.0 and evidence["up"].window_seconds is None  # first failure: no "0s"
+    assert evidence["unanswered_seconds"].value == 1.0 and evidence["unanswered_seconds"].threshold == "refused"
     # What it looked like the last time it answered (1 s before the crash).
     assert evidence["kv_cache_usage (last seen)"].value == 0.83
     assert evidence["requests_waiting (last seen)"].value == 3.0
@@ -108,3 +109,54 @@ def test_every_failure_kind_opens_it(reason: str) -> None:
     t.backend("vllm-0").absent = reason
     t.advance(2)
     assert len(_episode(_run(t))[0]) == 1
+
+
+def _down_after_warmup(reason: str, ages: list[float | None], **config) -> list:
+    """A healthy warm-up, then one failed scrape per entry of ``ages`` (the engine collector's
+    ``scrape_age_seconds`` on it; ``None``: not recorded). Returns the analyzer's results."""
+    from dataclasses import replace
+
+    from llmdiag.config.analyzers import BackendDownConfig, DiagnosisConfig
+
+    t = TimelineBuilder().advance(30)
+    b = t.backend("vllm-0")
+    b.absent = reason
+    t.advance(len(ages))
+    for snap, age in zip(t.snapshots[-len(ages):], ages, strict=True):
+        if age is not None:
+            snap.backends["vllm-0"]["scrape_age_seconds"] = age
+    a = Analyzer(config=replace(DiagnosisConfig(), backend_down=BackendDownConfig(**config)), backends=t.backends())
+    return [a.observe(s) for s in t.snapshots]
+
+
+def test_a_hung_scrape_opens_at_once_when_its_deadline_made_the_engine_unanswered_long_enough() -> None:
+    # The collector's age on a timed-out scrape includes the 1 s deadline: 1 s since the
+    # previous tick's good scrape + 1 s waiting = 2 s unanswered >= 1.5 s.
+    results = _down_after_warmup("timeout", [2.0])
+    (opened_at, d), = _episode(results)[0]
+    assert opened_at == results[-1].ts
+    evidence = {e.signal: e for e in d.evidence}
+    assert evidence["unanswered_seconds"].value == 2.0 and evidence["unanswered_seconds"].threshold == 1.5
+    assert "unanswered for 2s" in d.summary
+
+
+def test_one_quick_failure_is_not_an_outage_but_the_second_is() -> None:
+    results = _down_after_warmup("timeout", [1.0])  # answered 1 s ago; this one failed fast
+    assert _episode(results)[0] == []
+    results = _down_after_warmup("timeout", [1.0, 2.0])
+    (opened_at, _), = _episode(results)[0]
+    assert opened_at == results[-1].ts
+
+
+def test_without_the_collectors_age_the_window_says_how_long_it_went_unanswered() -> None:
+    results = _down_after_warmup("http_error", [None, None])  # a recording without scrape_age_seconds
+    (opened_at, d), = _episode(results)[0]
+    assert opened_at == results[-1].ts  # 2 s since the last answered scrape
+    assert {e.signal: e.value for e in d.evidence}["unanswered_seconds"] == 2.0
+
+
+def test_refusals_can_be_made_to_wait_like_other_failures() -> None:
+    results = _down_after_warmup("connection_refused", [1.0], open_on_refused=False)
+    assert _episode(results)[0] == []
+    results = _down_after_warmup("connection_refused", [1.0, 2.0], open_on_refused=False)
+    assert len(_episode(results)[0]) == 1

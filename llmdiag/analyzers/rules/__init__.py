@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmdiag.analyzers.rules.availability import BackendDown
+from llmdiag.analyzers.rules.availability import BackendDown, EngineStalled
 from llmdiag.analyzers.rules.base import Finding, Rule, Verdict
 from llmdiag.analyzers.rules.engine import ErrorBurst, FalseHealthy, KvCacheSaturation, QueueAvalanche
 from llmdiag.analyzers.rules.gpu import GpuFault, GpuIdleWithQueue, GpuMemoryPressure, GpuThrottling, IoBlocking
@@ -22,6 +22,7 @@ RULES: dict[str, type[Rule]] = {
     r.kind: r
     for r in (
         BackendDown,
+        EngineStalled,
         KvCacheSaturation,
         QueueAvalanche,
         FalseHealthy,
