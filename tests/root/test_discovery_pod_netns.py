@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -39,11 +40,18 @@ POD_ENV = {"POD_NAME": "fake-engine-0", "POD_NAMESPACE": "inference", "CONTAINER
 
 @dataclass
 class Pod:
-    netns: str
+    netns: str  # "net:[INODE]"
     address: str  # inside, on eth0
     gateway: str  # the node's end of the veth
-    engine: subprocess.Popen[bytes]
-    loopback_engine: subprocess.Popen[bytes]
+    procs: list[subprocess.Popen[bytes]]
+
+    @property
+    def engine(self) -> subprocess.Popen[bytes]:
+        return self.procs[0]
+
+    @property
+    def loopback_engine(self) -> subprocess.Popen[bytes]:
+        return self.procs[1]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -70,10 +78,8 @@ def _cannot(reason: str) -> None:
     pytest.skip(reason)
 
 
-def _start_engine(netns: str, host: str, port: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, **POD_ENV}
-    return subprocess.Popen(["ip", "netns", "exec", netns, str(LLMDIAG), "fake-engine", "--host", host, "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def _fake_engine(host: str, port: int) -> list[str]:
+    return [str(LLMDIAG), "fake-engine", "--host", host, "--port", str(port)]
 
 
 def _wait_listening(proc: subprocess.Popen[bytes], port: int) -> None:
@@ -92,8 +98,11 @@ def _wait_listening(proc: subprocess.Popen[bytes], port: int) -> None:
     pytest.fail(f"fake-engine in its namespace never listened on port {port}")
 
 
-@pytest.fixture
-def pod() -> Iterator[Pod]:
+@contextlib.contextmanager
+def network_namespace_pod(engines: list[tuple[list[str], int]], env: dict[str, str], cwd: str | None = None) -> Iterator[Pod]:
+    """A pod-like network namespace running each ``(argv, port)`` of ``engines`` until its port listens.
+
+    Everything is removed on the way out, also when set-up fails half-way."""
     if shutil.which("ip") is None:
         _cannot("no `ip` command (iproute2) to create a network namespace")
     tag = f"{os.getpid() % 100000}"
@@ -113,11 +122,12 @@ def pod() -> Iterator[Pod]:
         _ip("-n", netns, "route", "add", "default", "via", gateway)
         _ip("addr", "add", f"{gateway}/30", "dev", host_end)
         _ip("link", "set", host_end, "up")
-        procs.append(_start_engine(netns, "0.0.0.0", PORT))
-        procs.append(_start_engine(netns, "127.0.0.1", LOOPBACK_PORT))
-        _wait_listening(procs[0], PORT)
-        _wait_listening(procs[1], LOOPBACK_PORT)
-        yield Pod(f"net:[{os.stat(f'/run/netns/{netns}').st_ino}]", address, gateway, procs[0], procs[1])
+        for argv, _port in engines:
+            procs.append(subprocess.Popen(["ip", "netns", "exec", netns, *argv], env={**os.environ, **env}, cwd=cwd,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        for proc, (_argv, port) in zip(procs, engines, strict=True):
+            _wait_listening(proc, port)
+        yield Pod(f"net:[{os.stat(f'/run/netns/{netns}').st_ino}]", address, gateway, procs)
     finally:
         for proc in procs:
             proc.terminate()
@@ -132,6 +142,14 @@ def pod() -> Iterator[Pod]:
         _ip("netns", "del", netns, check=False)
     assert netns not in _ip("netns", "list").stdout, "the test namespace was left behind"
     assert _ip("link", "show", host_end, check=False).returncode != 0, "the test veth was left behind"
+
+
+@pytest.fixture
+def pod() -> Iterator[Pod]:
+    """fake-engine on 0.0.0.0:PORT and another on 127.0.0.1:LOOPBACK_PORT, with downward-API-like env."""
+    with network_namespace_pod([(_fake_engine("0.0.0.0", PORT), PORT),
+                                (_fake_engine("127.0.0.1", LOOPBACK_PORT), LOOPBACK_PORT)], POD_ENV) as made:
+        yield made
 
 
 def test_engine_in_its_own_network_namespace_is_found_at_the_pod_address(pod: Pod) -> None:
@@ -177,3 +195,64 @@ def test_doctor_names_the_pod_engine_and_the_one_it_cannot_reach(pod: Pod) -> No
     assert f"pid {pod.loopback_engine.pid} (python" in check.detail
     assert f" llmdiag fake-engine) in {pod.netns} listens on 127.0.0.1:{LOOPBACK_PORT}" in check.detail
     assert check.status == "degraded" and "0.0.0.0" in check.hint
+
+
+# -- with exactly the DaemonSet's capabilities -------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+NOBODY = 65534
+VLLM_SCRAPE = REPO.parent / "shared" / "fixtures" / "engines" / "vllm_v1_real_scrape_0.9era.prom"
+
+
+def _manifest_capabilities() -> list[str]:
+    import yaml  # noqa: PLC0415
+
+    ds = yaml.safe_load((REPO / "deploy" / "kubernetes" / "base" / "daemonset.yaml").read_text())
+    return ["cap_" + c.lower() for c in ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"]]
+
+
+def _discover_with(keep: list[str]) -> dict:
+    """discover() in a child that keeps only ``keep`` of the bounding set (uid 0, as in the container)."""
+    bounding = next(ln for ln in subprocess.run(["capsh", "--print"], capture_output=True, text=True, check=True)
+                    .stdout.splitlines() if ln.startswith("Bounding set =")).split("=", 1)[1].strip().split(",")
+    code = ("import json; from llmdiag.collectors.discovery import discover; "
+            f"r = discover(timeout=2.0, ports=[{PORT}]); "
+            "print(json.dumps({'found': [[b.url, b.engine, b.pid] for b in r.backends], "
+            "'unreadable': r.unreadable_processes}))")
+    drop = ",".join(c for c in bounding if c not in keep)
+    proc = subprocess.run(["capsh", f"--drop={drop}", "--", "-c", subprocess.list2cmdline([sys.executable, "-c", code])],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture
+def pod_engine_as_nobody() -> Iterator[Pod]:
+    """An engine-like server owned by uid 65534 (as engine containers usually run) in a pod namespace:
+    Python's http.server serving a recorded vLLM scrape as /metrics from a world-readable folder."""
+    if shutil.which("capsh") is None or shutil.which("setpriv") is None:
+        pytest.fail("capsh and setpriv are needed (libcap2-bin, util-linux; scripts/setup.sh installs them)")
+    import tempfile  # noqa: PLC0415
+
+    site = Path(tempfile.mkdtemp(prefix="llmdiag-netns-", dir="/tmp"))
+    try:
+        site.chmod(0o755)
+        (site / "metrics").write_text(VLLM_SCRAPE.read_text())
+        (site / "metrics").chmod(0o644)
+        argv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                "/usr/bin/python3", "-m", "http.server", str(PORT), "--bind", "0.0.0.0"]
+        with network_namespace_pod([(argv, PORT)], {}, cwd=str(site)) as made:
+            yield made
+    finally:
+        shutil.rmtree(site)
+
+
+def test_the_daemonset_capabilities_find_a_pod_engine_run_by_another_user(pod_engine_as_nobody: Pod) -> None:
+    found = _discover_with(_manifest_capabilities())
+    assert found["found"] == [[f"http://{pod_engine_as_nobody.address}:{PORT}", "vllm", pod_engine_as_nobody.engine.pid]]
+
+
+def test_without_sys_ptrace_the_pod_namespace_is_out_of_sight(pod_engine_as_nobody: Pod) -> None:
+    # readlink /proc/PID/ns/net is a ptrace-read access check: another user's process needs CAP_SYS_PTRACE.
+    found = _discover_with([c for c in _manifest_capabilities() if c != "cap_sys_ptrace"])
+    assert found["found"] == [] and found["unreadable"] >= 1
