@@ -34,6 +34,7 @@ import logging
 import os
 import socket
 import struct
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -236,26 +237,100 @@ _Namespace = tuple[str, int, list[ListeningSocket]]  # netns id, the pid read fo
 _Choice = tuple[ListeningSocket, tuple[str, ...], str]  # a listener, where to probe it, why not (if nowhere)
 
 
-def _foreign_namespaces(proc_root: str | os.PathLike[str], own_inodes: set[int]) -> tuple[list[_Namespace], int]:
-    """``([(netns, reader pid, listening sockets)], unreadable processes)`` for every network
-    namespace of a local process other than the agent's own, each read once."""
-    scan = scan_namespaces(proc_root)
-    out = []
-    for netns, pids in scan.groups.items():
-        if netns == scan.own:
-            continue
+@dataclass
+class _ForeignScan:
+    namespaces: list[_Namespace] = field(default_factory=list)
+    unreadable: int = 0  # processes whose namespace link could not be read
+    owners: dict[int, int] = field(default_factory=dict)  # socket inode -> pid, from the fd pass
+
+
+def _held_sockets(proc_root: str | os.PathLike[str], pids: list[int]) -> dict[int, int] | None:
+    """``{socket inode: pid}`` of every socket the processes hold, or ``None`` when one of them
+    cannot be listed (no ``CAP_DAC_READ_SEARCH``/``CAP_SYS_PTRACE``): then a missing socket proves nothing."""
+    held: dict[int, int] = {}
+    for pid in pids:
+        try:
+            entries = os.scandir(os.path.join(proc_root, str(pid), "fd"))
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+            continue  # gone meanwhile
+        except OSError:
+            return None
+        with entries:
+            for fd in entries:
+                try:
+                    target = os.readlink(fd.path)
+                except OSError:
+                    continue
+                if target.startswith("socket:[") and target.endswith("]"):
+                    try:
+                        held.setdefault(int(target[8:-1]), pid)
+                    except ValueError:
+                        continue
+    return held
+
+
+class _TableCache:
+    """The listening sockets of each network namespace, with the socket inodes its processes held
+    when the table was read.
+
+    Why: ``/proc/PID/net/tcp`` and ``tcp6`` walk the kernel's *global* TCP hash tables and keep
+    the namespace's entries, so each read costs the same whatever the namespace holds (5 ms on the
+    development VM's 262,144-bucket table; the table grows with memory). Listing the processes'
+    fds costs microseconds. A listening socket is held by some process's fd, so while the held
+    inodes are the same no listener can have come or gone, and a namespace whose processes hold
+    no socket at all (a pod that only makes outgoing calls, a pause process) has no listener.
+    Entries of namespaces not seen in the last pass are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, str], tuple[frozenset[int], int, list[ListeningSocket]]] = {}
+        self._lock = threading.Lock()
+        self.reads = 0  # tables read, for tests and benchmarks
+
+    def namespaces(self, proc_root: str | os.PathLike[str], own_inodes: set[int]) -> _ForeignScan:
+        scan = scan_namespaces(proc_root)
+        out = _ForeignScan(unreadable=scan.unreadable)
+        root = str(proc_root)
+        with self._lock:
+            previous, kept = self._entries, {}
+            for netns, pids in scan.groups.items():
+                if netns == scan.own:
+                    continue
+                held = _held_sockets(proc_root, pids)
+                if held is not None:
+                    out.owners.update(held)
+                    if not held:
+                        continue
+                    cached = previous.get((root, netns))
+                    if cached is not None and cached[0] == frozenset(held):
+                        kept[(root, netns)] = cached
+                        out.namespaces.append((netns, cached[1], cached[2]))
+                        continue
+                read = self._read(proc_root, pids, own_inodes)
+                if read is None:
+                    continue
+                reader, sockets = read
+                if held is not None:
+                    kept[(root, netns)] = (frozenset(held), reader, sockets)
+                out.namespaces.append((netns, reader, sockets))
+            self._entries = kept
+        return out
+
+    def _read(self, proc_root: str | os.PathLike[str], pids: list[int], own_inodes: set[int]) -> tuple[int, list[ListeningSocket]] | None:
         for pid in pids:  # the first process whose table can still be read speaks for the namespace
             try:
                 (Path(proc_root) / str(pid) / "net" / "tcp").open("rb").close()
             except OSError:
                 continue
+            self.reads += 1
             sockets = listening_sockets(proc_root, pid)
             # A socket inode is in exactly one namespace: seeing one of ours means this *is* our
             # namespace, seen through a tree without a readable `self` link.
-            if not any(s.inode in own_inodes for s in sockets):
-                out.append((netns, pid, sockets))
-            break
-    return out, scan.unreadable
+            return None if any(s.inode in own_inodes for s in sockets) else (pid, sockets)
+        return None
+
+
+_TABLES = _TableCache()
 
 
 def _better(sock: ListeningSocket, hosts: tuple[str, ...], current: _Choice | None) -> bool:
@@ -268,12 +343,15 @@ def _better(sock: ListeningSocket, hosts: tuple[str, ...], current: _Choice | No
 
 
 def _foreign_targets(
-    proc_root: str | os.PathLike[str], only: set[int] | None, own_inodes: set[int], result: Discovery
+    proc_root: str | os.PathLike[str], only: set[int] | None, own_inodes: set[int], result: Discovery,
+    owners: dict[int, int],
 ) -> tuple[list[_Target], list[tuple[ListeningSocket, str, str]]]:
-    namespaces, result.unreadable_processes = _foreign_namespaces(proc_root, own_inodes)
+    scan = _TABLES.namespaces(proc_root, own_inodes)
+    result.unreadable_processes = scan.unreadable
+    owners.update(scan.owners)
     targets: list[_Target] = []
     unreachable: list[tuple[ListeningSocket, str, str]] = []
-    for netns, reader, sockets in namespaces:
+    for netns, reader, sockets in scan.namespaces:
         result.namespaces += 1
         wanted = [s for s in sockets if not _skipped(s.port, only)]
         if not wanted:
@@ -360,13 +438,15 @@ def discover(
     own_sockets = listening_sockets(proc_root)
     own = _own_targets(own_sockets, only)
     own_inodes = {s.inode for s in own_sockets}
+    owners: dict[int, int] = {}  # the fd pass over the pods' processes already names their owners
     try:
-        foreign, unreachable = _foreign_targets(proc_root, only, own_inodes, result)
+        foreign, unreachable = _foreign_targets(proc_root, only, own_inodes, result, owners)
     except Exception as exc:  # noqa: BLE001 - other namespaces are a bonus; the node's own ports stand alone
         log.warning("reading the network namespaces of local processes failed: %s", exc)
         foreign, unreachable = [], []
     candidates = sorted(own + foreign, key=lambda t: (t.sock.port, t.hosts))
-    owners = socket_owners([t.sock.inode for t in candidates] + [s.inode for s, _, _ in unreachable], proc_root)
+    unowned = [i for i in [t.sock.inode for t in candidates] + [s.inode for s, _, _ in unreachable] if i not in owners]
+    owners.update(socket_owners(unowned, proc_root))
     for sock, netns, reason in unreachable:
         pid = owners.get(sock.inode)
         command = _command(proc_root, pid)
@@ -462,26 +542,38 @@ def local_backend_pids(backends: Iterable[Backend], proc_root: str | os.PathLike
     elsewhere = [b for b in unresolved if b.name not in found and b.host not in _LOOPBACK]
     if elsewhere:
         try:
-            namespaces, _ = _foreign_namespaces(proc_root, {s.inode for s in listening})
+            _pod_listeners(proc_root, elsewhere, {s.inode for s in listening}, wanted)
         except Exception as exc:  # noqa: BLE001 - best effort, as for the node's own sockets
             log.warning("reading the network namespaces of local processes failed: %s", exc)
-            namespaces = []
-        for _netns, reader, sockets in namespaces:
-            addresses: NamespaceAddresses | None = None
-            for b in elsewhere:
-                on_port = [s for s in sockets if s.port == b.port]
-                if not on_port or b.name in found:
-                    continue
-                if addresses is None:
-                    addresses = read_namespace_addresses(proc_root, reader)
-                if not any(_same_ip(b.host, a) for a in addresses.ipv4 + addresses.ipv6):
-                    continue
-                for sock in on_port:
-                    if sock.host in _WILDCARD or _same_ip(sock.host, b.host):
-                        wanted.setdefault(sock.inode, []).append(b.name)
-                        found.add(b.name)
-                        break
     for inode, pid in socket_owners(wanted, proc_root).items():
         for name in wanted[inode]:
             pids[name] = pid
     return pids
+
+
+def _pod_listeners(proc_root: str | os.PathLike[str], backends: list[Backend], own_inodes: set[int],
+                   wanted: dict[int, list[str]]) -> None:
+    """Add to ``wanted`` the listener of each backend addressed at another local namespace's address.
+
+    The addresses are read first (cheap) and the TCP tables (a walk of the kernel's whole hash
+    table each) only of a namespace that holds one of the backends' addresses: a backend on
+    another host costs no table read.
+    """
+    scan = scan_namespaces(proc_root)
+    for netns, pids in scan.groups.items():
+        if netns == scan.own:
+            continue
+        reader = next((p for p in pids if (Path(proc_root) / str(p) / "net" / "fib_trie").exists()), None)
+        if reader is None:
+            continue
+        addresses = read_namespace_addresses(proc_root, reader)
+        here = [b for b in backends if any(_same_ip(b.host, a) for a in addresses.ipv4 + addresses.ipv6)]
+        if not here:
+            continue
+        sockets = listening_sockets(proc_root, reader)
+        if any(s.inode in own_inodes for s in sockets):
+            continue  # our own namespace, seen through a tree without `self`
+        for b in here:
+            sock = next((s for s in sockets if s.port == b.port and (s.host in _WILDCARD or _same_ip(s.host, b.host))), None)
+            if sock is not None:
+                wanted.setdefault(sock.inode, []).append(b.name)

@@ -220,3 +220,50 @@ def test_configured_pod_ip_backends_get_the_pid_of_their_listener():
     assert local_backend_pids(backends, TREE) == {
         "10.203.1.7:8000": 7200, "192.168.203.5:8000": 7200, "[fdcb:203::2]:8002": 7100, "127.0.0.1:9000": 6100,
     }
+
+
+# -- each namespace's tables are read once, and again only when its sockets change ----------------
+
+
+@pytest.fixture
+def tables(monkeypatch):
+    cache = discovery._TableCache()
+    monkeypatch.setattr(discovery, "_TABLES", cache)
+    return cache
+
+
+def test_tables_are_read_once_per_namespace_and_not_again_while_the_held_sockets_stay(tables, tmp_path):
+    tree = tmp_path / "proc"
+    shutil.copytree(TREE, tree, symlinks=True)
+    first = discover(proc_root=tree, fetch=RecordedHosts(ANSWERS))
+    assert tables.reads == 3  # pods A (7099, 7100 and 7101 together), B and C
+    again = discover(proc_root=tree, fetch=RecordedHosts(ANSWERS))
+    assert tables.reads == 3 and [b.url for b in again.backends] == [b.url for b in first.backends]
+    assert [u.port for u in again.unreachable] == [15000, 8000]
+    # pod B's engine opens another socket (a new listener, or just a connection): its table is read again
+    os.symlink("socket:[999999]", tree / "7200" / "fd" / "9")
+    discover(proc_root=tree, fetch=RecordedHosts(ANSWERS))
+    assert tables.reads == 4
+
+
+def test_a_namespace_whose_processes_hold_no_socket_is_not_read(tables, tmp_path):
+    tree = tmp_path / "proc"
+    shutil.copytree(TREE, tree, symlinks=True)
+    shutil.rmtree(tree / "7300" / "fd")
+    (tree / "7300" / "fd").mkdir()  # pod C's only process holds no socket now: nothing can listen there
+    result = discover(proc_root=tree, fetch=RecordedHosts(ANSWERS))
+    assert tables.reads == 2 and [u.pid for u in result.unreachable] == [7101]
+
+
+def test_when_fds_cannot_be_listed_the_table_is_read_every_time(tables, monkeypatch):
+    real = os.scandir
+
+    def scandir(path):
+        if str(path).endswith("7200/fd"):
+            raise PermissionError(13, "Permission denied")
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    discover(proc_root=TREE, fetch=RecordedHosts(ANSWERS))
+    discover(proc_root=TREE, fetch=RecordedHosts(ANSWERS))
+    assert tables.reads == 3 + 1  # A and C once; B, whose sockets cannot be listed, twice
