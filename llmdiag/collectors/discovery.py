@@ -12,6 +12,8 @@
    (the pod IP, from ``/proc/PID/net/fib_trie``); one bound to loopback
    cannot be reached from outside its namespace, so it is not probed but
    reported (:attr:`Discovery.unreachable`, and a warning in the log).
+   A namespace's tables are read again only when the sockets its processes
+   hold change (:class:`_TableCache` says why).
 3. ``/proc/PID/fd/*``: a link to ``socket:[INODE]`` names the process that
    owns each listening socket (needs root for other users' processes;
    without it ``pid`` stays ``None``). Socket inodes are unique across
