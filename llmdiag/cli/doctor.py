@@ -246,7 +246,7 @@ def _engines(config: Config) -> Check:
 
     names = [f"{b.engine or '?'} at {b.url}{where(b.pid)}" for b in found]
     shown = names[:8] + ([f"and {len(names) - 8} more"] if len(names) > 8 else [])  # a readable line, not a page
-    spaces = f" (this network namespace and {result.namespaces} other(s): pods)" if result.namespaces else ""
+    spaces = f" (this network namespace and {result.namespaces} other(s): pods, containers)" if result.namespaces else ""
     detail = f"{len(found)} engine(s) on local listening ports{spaces}"
     detail += f": {'; '.join(shown)}" if names else ""
     if configured:

@@ -281,6 +281,8 @@ class _TableCache:
     fds costs microseconds. A listening socket is held by some process's fd, so while the held
     inodes are the same no listener can have come or gone, and a namespace whose processes hold
     no socket at all (a pod that only makes outgoing calls, a pause process) has no listener.
+    The one case this misses: a listening socket held only by a process of *another* namespace
+    (created, then handed over an fd or kept across ``setns``), which no engine does.
     Entries of namespaces not seen in the last pass are dropped.
     """
 
@@ -304,7 +306,8 @@ class _TableCache:
                     if not held:
                         continue
                     cached = previous.get((root, netns))
-                    if cached is not None and cached[0] == frozenset(held):
+                    # (the pid read for it must still be there: its net/ files give the addresses)
+                    if cached is not None and cached[0] == frozenset(held) and cached[1] in pids:
                         kept[(root, netns)] = cached
                         out.namespaces.append((netns, cached[1], cached[2]))
                         continue

@@ -197,6 +197,19 @@ def test_doctor_names_the_pod_engine_and_the_one_it_cannot_reach(pod: Pod) -> No
     assert check.status == "degraded" and "0.0.0.0" in check.hint
 
 
+def test_collect_without_backends_scrapes_the_pod_engine_and_reads_its_process(pod: Pod) -> None:
+    """The agent's path: no backend configured, so discovery; then the engine scrape at the pod IP and
+    the /proc signals of the pid discovery found."""
+    out = subprocess.run([str(LLMDIAG), "collect", "--once", "--json", "--collectors", "engine,proc", "--interval", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    backends = json.loads(out.stdout.splitlines()[-1])["backends"]
+    signals = backends[f"{pod.address}:{PORT}"]
+    assert signals["up"] == 1 and signals["kv_cache_usage"] is not None
+    assert signals["rss_bytes"] > 0 and signals["open_fds"] >= 3  # the proc collector found the process
+    assert not any(name.endswith(f":{LOOPBACK_PORT}") for name in backends)
+
+
 # -- with exactly the DaemonSet's capabilities -------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[2]
