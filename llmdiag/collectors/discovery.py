@@ -168,7 +168,7 @@ class UnreachableListener:
 
     def describe(self) -> str:
         who = f"pid {self.pid}" + (f" ({self.command})" if self.command else "") if self.pid else "a process"
-        return f"{who} in {self.netns} listens on {_url(self.host, self.port)[7:]}: {self.reason}"
+        return f"{who} in {self.netns} listens on {_hostport(self.host, self.port)}: {self.reason}"
 
 
 @dataclass
@@ -389,8 +389,12 @@ def _command(proc_root: str | os.PathLike[str], pid: int | None) -> str:
     return " ".join(os.path.basename(w) if w.startswith("/") else w for w in words if w)[:80]
 
 
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"http://{_hostport(host, port)}"
 
 
 def _probe(url: str, pid: int | None, timeout: float, fetch: FetchFunction) -> Backend | None:
@@ -467,7 +471,7 @@ def discover(
                 backend = None
             if progress:
                 where = f"port {target.sock.port}" if target.netns is None else \
-                    f"{_url(target.hosts[0], target.sock.port)[7:]} ({target.netns})"
+                    f"{_hostport(target.hosts[0], target.sock.port)} ({target.netns})"
                 progress(f"{where}: {backend.engine if backend else 'no engine'}")
             if backend is not None:
                 result.backends.append(backend)

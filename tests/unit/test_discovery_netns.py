@@ -142,7 +142,9 @@ def test_a_wildcard_listener_in_a_namespace_without_addresses_is_reported():
 
 def test_discover_probes_each_namespace_at_its_address():
     fetch = RecordedHosts(ANSWERS)
-    result = discover(proc_root=TREE, fetch=fetch)
+    said: list[str] = []
+    result = discover(proc_root=TREE, fetch=fetch, progress=said.append)
+    assert f"10.203.0.2:8000 ({POD_A}): vllm" in said and "port 9000: vllm" in said
     assert [(b.url, b.engine, b.pid) for b in result.backends] == [
         ("http://10.203.0.2:8000", "vllm", 7100),
         ("http://10.203.1.7:8000", "sglang", 7200),
