@@ -38,14 +38,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
+    "Inet6Address",
     "NamespaceAddresses",
     "NetnsScan",
+    "Route",
     "namespace_of",
     "parse_fib_trie_local",
     "parse_if_inet6",
     "parse_ipv6_default_ifaces",
     "parse_route",
     "rank_ipv4",
+    "rank_ipv6",
     "read_namespace_addresses",
     "scan_namespaces",
 ]
@@ -99,9 +102,6 @@ class NamespaceAddresses:
 
     ipv4: tuple[str, ...] = ()
     ipv6: tuple[str, ...] = ()
-
-    def __contains__(self, host: object) -> bool:
-        return host in self.ipv4 or host in self.ipv6
 
 
 @dataclass
