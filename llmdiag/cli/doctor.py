@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 from llmdiag.bpf import features
 from llmdiag.collectors.attach_points import all_attach_points
 from llmdiag.collectors.base import AttachNeed
-from llmdiag.collectors.discovery import discover_engines
+from llmdiag.collectors.discovery import discover
+from llmdiag.collectors.kube import PodMetadataReader
 from llmdiag.collectors.nvml import probe_nvml
 from llmdiag.config import Config
 
@@ -227,14 +228,39 @@ def _nvml() -> Check:
 def _engines(config: Config) -> Check:
     configured = config.backend_list()
     try:
-        found = discover_engines()
+        result = discover()
     except Exception as exc:  # noqa: BLE001 - doctor reports, never crashes
         return Check("engines", DEGRADED, f"discovery failed: {exc}", "pass engines with --backend URL")
-    names = [f"{b.engine or '?'} at {b.url}" + (f" (pid {b.pid})" if b.pid else "") for b in found]
+    found = result.backends
+    kube = PodMetadataReader("/proc", os.environ.get("NODE_NAME"))
+
+    def where(pid: int | None) -> str:
+        if not pid:
+            return ""
+        try:
+            labels = kube.labels(pid)
+        except Exception:  # noqa: BLE001 - a label is a nicety in a report
+            labels = {}
+        pod = f", pod {labels['namespace']}/{labels['pod']}" if "pod" in labels and "namespace" in labels else ""
+        return f" (pid {pid}{pod})"
+
+    names = [f"{b.engine or '?'} at {b.url}{where(b.pid)}" for b in found]
     shown = names[:8] + ([f"and {len(names) - 8} more"] if len(names) > 8 else [])  # a readable line, not a page
-    detail = f"{len(found)} engine(s) on local listening ports" + (f": {'; '.join(shown)}" if names else "")
+    spaces = f" (this network namespace and {result.namespaces} other(s): pods, containers)" if result.namespaces else ""
+    detail = f"{len(found)} engine(s) on local listening ports{spaces}"
+    detail += f": {'; '.join(shown)}" if names else ""
     if configured:
         detail += f"; {len(configured)} configured"
+    if result.unreadable_processes:
+        detail += f"; {result.unreadable_processes} process(es) whose network namespace could not be read"
+    # An engine bound to loopback inside its pod answers only inside the pod: worth a degraded check.
+    stranded = [u for u in result.unreachable if u.likely_engine]
+    if stranded:
+        more = f" and {len(stranded) - 3} more" if len(stranded) > 3 else ""
+        detail += f"; not reachable from the node: {'; '.join(u.describe() for u in stranded[:3])}{more}"
+        return Check("engines", DEGRADED, detail,
+                     "an engine bound to 127.0.0.1 in its own pod answers only inside the pod: start it on 0.0.0.0 "
+                     "(vLLM/SGLang --host 0.0.0.0), or run llmdiag in that pod")
     if not found and not configured:
         return Check("engines", DEGRADED, detail,
                      "no vLLM/SGLang/TRT-LLM/Triton/TGI /metrics found; pass --backend URL or run llmdiag fake-engine")
