@@ -22,6 +22,7 @@ from textual.widgets import DataTable, Footer, Input, Static
 
 from llmdiag.cli.report import diagnosis_renderable
 from llmdiag.cli.tui.model import FleetRow, TopModel, fmt, number, sparkline
+from llmdiag.cli.tui.table import IncrementalDataTable
 from llmdiag.model import HOST, Distribution, Labelled, Severity
 
 if TYPE_CHECKING:
@@ -96,7 +97,8 @@ class FleetScreen(_Base):
     def compose(self) -> ComposeResult:
         yield from self.compose_status()
         yield Input(placeholder="filter: part of a backend name, state or diagnosis (Esc clears)", id="filter")
-        table: DataTable[Any] = DataTable(id="fleet", cursor_type="row", zebra_stripes=False)
+        # Rows rarely change all at once: redraw the changed cells, not all 64 x 15.
+        table = IncrementalDataTable(id="fleet", cursor_type="row", zebra_stripes=False)
         yield table
         yield Static("", id="summary", classes="summary")
         yield Footer()
@@ -163,13 +165,13 @@ class FleetScreen(_Base):
 
     def refresh_from(self, model: TopModel) -> None:
         self.update_status(model)
-        table = self.query_one("#fleet", DataTable)
+        table = self.query_one("#fleet", IncrementalDataTable)
         # The cursor keeps its row position (as in top(1)): the worst backend stays under it by default.
         position = table.cursor_row if table.row_count else 0
         rows = self.visible_rows(model)
         names = [r.name for r in rows]
-        if names == self._shown:
-            # Same rows in the same order (most ticks): rewrite only the cells that changed.
+        if names == self._shown or (len(names) == len(self._shown) and set(names) == set(self._shown)):
+            # Same rows (most ticks): rewrite only the cells that changed, then move the rows that moved.
             for row in rows:
                 spark = model.series(row.name, "score", last=8)
                 signature = (row, tuple(spark))
@@ -184,6 +186,12 @@ class FleetScreen(_Base):
                         # as "degra" when the row was first added while "healthy").
                         table.update_cell(row.name, key, cell, update_width=True)
                 self._cells_shown[row.name] = cells
+            if names != self._shown:
+                # A backend changed places (it got worse): reorder, not rebuild; rows that keep their
+                # place stay drawn, and the cursor stays on its row position as after a rebuild.
+                table.reorder(names)
+                self._shown = names
+                table.move_cursor(row=min(max(position, 0), len(rows) - 1), animate=False)
         else:
             table.clear()
             self._cells_shown = {}
@@ -214,13 +222,17 @@ class FleetScreen(_Base):
         spark = sparkline(model.series(row.name, "score", last=8), 8, lo=0.0, hi=100.0)
         diag = Text(f"{_MARK[row.severity]}{row.diagnosis}" if row.severity else "-",
                     style=_SEV_STYLE[row.severity] if row.severity else "dim")
-        return [
-            Text(row.name, style="bold"), state, f"{fmt(row.score, '3.0f')} {spark}", diag,
-            fmt(row.penalty, ".2f"), fmt(None if row.weight_percent is None else float(row.weight_percent), ".0f", "%"),
+        plain = [
+            f"{fmt(row.score, '3.0f')} {spark}", fmt(row.penalty, ".2f"),
+            fmt(None if row.weight_percent is None else float(row.weight_percent), ".0f", "%"),
             fmt(row.ttft_p50, ".2f", "s"), fmt(row.ttft_p99, ".2f", "s"), fmt(row.waiting, ".0f"), fmt(row.kv, "%"),
             fmt(row.gpu_util, "%"), fmt(row.gpu_mem, "%"), fmt(row.timewait, ".0f"), fmt(row.rst_per_s, ".1f"),
             fmt(row.retrans_per_s, ".1f"),
         ]
+        # Text, not str: the table would parse every str cell as markup (and emoji codes) on each
+        # redraw of its row; this is the Text that parse gives for these markup-free strings.
+        score, penalty, weight, *rest = (Text(v, end="", no_wrap=True) for v in plain)
+        return [Text(row.name, style="bold"), state, score, diag, penalty, weight, *rest]
 
 
 class BackendScreen(_Base):
