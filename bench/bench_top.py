@@ -68,6 +68,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=15)
     parser.add_argument("--width", type=int, default=160)
     parser.add_argument("--height", type=int, default=50)
+    parser.add_argument("--keys", nargs="*", default=[], metavar="KEY",
+                        help="tmux keys sent 3 s after start, before the warm-up ends (e.g. Enter: the backend "
+                             "view of the row under the cursor; h: the host view)")
     args = parser.parse_args()
     if shutil.which("tmux") is None:
         print("bench_top: tmux is needed (scripts/setup.sh installs it)", file=sys.stderr)
@@ -81,7 +84,10 @@ def main() -> int:
         try:
             pid = int(subprocess.run(["tmux", "display", "-p", "-t", session, "#{pane_pid}"], capture_output=True,
                                      text=True, check=True).stdout.strip())
-            time.sleep(args.warmup)
+            if args.keys:
+                time.sleep(3)  # the app is up and the fleet table is filled
+                subprocess.run(["tmux", "send-keys", "-t", session, *args.keys], check=True)
+            time.sleep(max(0, args.warmup - (3 if args.keys else 0)))
             stat = Path(f"/proc/{pid}/stat")
             cpu0, threads0, wall0 = _cpu_seconds(stat), _thread_cpu(pid), time.monotonic()
             time.sleep(args.seconds)
@@ -97,7 +103,7 @@ def main() -> int:
     result = {"backends": args.backends, "window_seconds": round(window, 2),
               "cpu_seconds": round(cpu1 - cpu0, 3), "cpu_percent_of_one_core": round(100 * (cpu1 - cpu0) / window, 2),
               "ui_thread_percent": round(100 * per_thread.get(pid, 0.0) / window, 2), "other_threads_percent": others,
-              "terminal": f"{args.width}x{args.height}", "status_line": status.strip(), "load_average": os.getloadavg()[0]}
+              "terminal": f"{args.width}x{args.height}", "keys": args.keys, "status_line": status.strip(), "load_average": os.getloadavg()[0]}
     print(json.dumps(result))
     return 0
 
