@@ -326,7 +326,16 @@ class BackendScreen(_Base):
     def _refresh_signals(self, model: TopModel) -> None:
         table = self.query_one("#signals", IncrementalDataTable)
         rows = self._signal_rows_now(model)
-        if [r[0] for r in rows] != list(self._signal_rows):
+        names = [r[0] for r in rows]
+        if len(set(names)) != len(names):
+            # Two signals shown under one name (a signal "x.p50" next to a distribution "x"): rows
+            # without keys, rebuilt every tick as before; no crash on an odd snapshot.
+            table.clear()
+            for row in rows:
+                table.add_row(*row)
+            self._signal_rows = {}
+            return
+        if names != list(self._signal_rows):
             table.clear()
             for row in rows:
                 table.add_row(*row, key=row[0])
