@@ -78,8 +78,8 @@ class IncrementalDataTable(DataTable[Any]):
                     update_width: bool = False) -> None:
         self._sync_generation()
         super().update_cell(row_key, column_key, value, update_width=update_width)
-        row, column = RowKey(row_key) if isinstance(row_key, str) else row_key, \
-            ColumnKey(column_key) if isinstance(column_key, str) else column_key
+        row = RowKey(row_key) if isinstance(row_key, str) else row_key
+        column = ColumnKey(column_key) if isinstance(column_key, str) else column_key
         stamp = next(self._stamps)
         self._cell_stamps[(row, column)] = stamp
         self._row_stamps[row] = stamp
