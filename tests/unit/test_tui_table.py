@@ -10,6 +10,7 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.geometry import Region
 from textual.widgets import DataTable
+from textual.widgets.data_table import ColumnKey
 
 from llmdiag.cli.tui.table import IncrementalDataTable
 
@@ -127,3 +128,19 @@ async def test_reorder_takes_every_row_once() -> None:
         for bad in (["vllm-2", "vllm-0"], ["vllm-2", "vllm-0", "vllm-0"], ["vllm-2", "vllm-0", "vllm-9"]):
             with pytest.raises(ValueError, match="exactly the rows"):
                 incremental.reorder(bad)
+
+
+async def test_settle_widths_measures_at_once_what_idle_would_measure_later() -> None:
+    app = _Pair()
+    async with app.run_test(size=(WIDTH, 2 * HEIGHT + 2)) as pilot:
+        plain, incremental = app.tables()
+        for i in range(3):
+            app.both("add_row", *_row(i), key=f"vllm-{i}")
+        await pilot.pause()
+        state = ColumnKey("state")
+        assert incremental.columns[state].content_width == len("healthy")
+        app.both("update_cell", "vllm-1", "state", Text("degraded (cooling)"), update_width=True)
+        incremental.settle_widths()  # no await: nothing else has run
+        assert incremental.columns[state].content_width == len("degraded (cooling)")
+        await pilot.pause()
+        assert plain.columns[state].content_width == incremental.columns[state].content_width

@@ -205,6 +205,7 @@ class FleetScreen(_Base):
             self._shown = names
             if rows:
                 table.move_cursor(row=min(max(position, 0), len(rows) - 1), animate=False)
+        table.settle_widths()  # this tick's widths in this tick's frame (not on a later Idle)
         state = model.state
         n_open = len([d for d in state.open if d.backend != HOST]) if state else 0
         crit = len([d for d in state.open if d.severity is Severity.CRITICAL]) if state else 0
@@ -350,6 +351,7 @@ class BackendScreen(_Base):
                     wider = cell_len(new) > table.columns[ColumnKey(key)].content_width
                     table.update_cell(row[0], key, new, update_width=wider)
             self._signal_rows[row[0]] = row
+        table.settle_widths()
 
 
 def _value_text(value: Any) -> str:

@@ -84,6 +84,11 @@ class IncrementalDataTable(DataTable[Any]):
         self._cell_stamps[(row, column)] = stamp
         self._row_stamps[row] = stamp
         self._seen_update_count = self._update_count
+        if update_width:
+            # The widths are measured on the table's next Idle event, and update_cell (unlike
+            # add_row) does not ask for one: without this a column could stay narrow ("degra")
+            # until something else happened to reach the table.
+            self.check_idle()
 
     def add_row(self, *cells: Any, height: int | None = 1, key: str | None = None, label: Any = None) -> RowKey:
         self._sync_generation()
@@ -106,6 +111,20 @@ class IncrementalDataTable(DataTable[Any]):
         self._update_count += 1
         self._seen_update_count = self._update_count
         self.refresh()
+
+    def settle_widths(self) -> None:
+        """Measure now what ``update_cell(..., update_width=True)`` and ``add_row`` left for the
+        table's next Idle event (the parent's ``_on_idle``): call it after a batch of updates, so the
+        next frame never shows a column too narrow for its new value, however the events interleave."""
+        if self._updated_cells:
+            updated_cells = self._updated_cells.copy()
+            self._updated_cells.clear()
+            self._update_column_widths(updated_cells)
+        if self._require_update_dimensions:
+            self._require_update_dimensions = False
+            new_rows = self._new_rows.copy()
+            self._new_rows.clear()
+            self._update_dimensions(new_rows)
 
     def _update_column_widths(self, updated_cells: Iterable[CellKey]) -> None:
         """The parent's width rule, cell by cell in the same order, but a column's widest cell is
