@@ -8,7 +8,11 @@ real speed (1 tick per second) in a tmux pane; after a warm-up, the process's
 user+system CPU time is read from ``/proc/PID/stat`` at the start and at the
 end of the window. The number includes everything ``top`` does per tick: the
 AgentLoop (analyzers and balancer) over the N backends, the model update and
-the redraw of the fleet view. Prints one JSON line.
+the redraw of the fleet view. Prints one JSON line, with the same window per
+thread: ``ui_thread_percent`` is the main thread (Textual's event loop: the
+model update and the redraw), ``other_threads_percent`` the rest, busiest first
+(the source worker, which runs the AgentLoop, is normally the first; then
+Textual's output writer and input threads).
 """
 
 from __future__ import annotations
@@ -40,9 +44,21 @@ def _recording(path: Path, backends: int, seconds: int) -> Path:
     return path
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _cpu_seconds(stat: Path) -> float:
+    """user+system CPU seconds from a ``/proc/PID/stat`` or ``/proc/PID/task/TID/stat`` file."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds per thread id; a thread that ended between listing and reading is left out."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out[int(task.name)] = _cpu_seconds(task / "stat")
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def main() -> int:
@@ -52,6 +68,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=15)
     parser.add_argument("--width", type=int, default=160)
     parser.add_argument("--height", type=int, default=50)
+    parser.add_argument("--keys", nargs="*", default=[], metavar="KEY",
+                        help="tmux keys sent 3 s after start, before the warm-up ends (e.g. Enter: the backend "
+                             "view of the row under the cursor; h: the host view)")
     args = parser.parse_args()
     if shutil.which("tmux") is None:
         print("bench_top: tmux is needed (scripts/setup.sh installs it)", file=sys.stderr)
@@ -65,17 +84,26 @@ def main() -> int:
         try:
             pid = int(subprocess.run(["tmux", "display", "-p", "-t", session, "#{pane_pid}"], capture_output=True,
                                      text=True, check=True).stdout.strip())
-            time.sleep(args.warmup)
-            cpu0, wall0 = _cpu_seconds(pid), time.monotonic()
+            if args.keys:
+                time.sleep(3)  # the app is up and the fleet table is filled
+                subprocess.run(["tmux", "send-keys", "-t", session, *args.keys], check=True)
+            time.sleep(max(0, args.warmup - (3 if args.keys else 0)))
+            stat = Path(f"/proc/{pid}/stat")
+            cpu0, threads0, wall0 = _cpu_seconds(stat), _thread_cpu(pid), time.monotonic()
             time.sleep(args.seconds)
-            cpu1, wall1 = _cpu_seconds(pid), time.monotonic()
+            cpu1, threads1, wall1 = _cpu_seconds(stat), _thread_cpu(pid), time.monotonic()
             screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
         finally:
             subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
     status = screen.splitlines()[0] if screen else ""
-    result = {"backends": args.backends, "window_seconds": round(wall1 - wall0, 2),
-              "cpu_seconds": round(cpu1 - cpu0, 3), "cpu_percent_of_one_core": round(100 * (cpu1 - cpu0) / (wall1 - wall0), 2),
-              "terminal": f"{args.width}x{args.height}", "status_line": status.strip()}
+    window = wall1 - wall0
+    # Threads that existed for the whole window; one started inside it counts from zero.
+    per_thread = {tid: threads1[tid] - threads0.get(tid, 0.0) for tid in threads1}
+    others = sorted((round(100 * cpu / window, 2) for tid, cpu in per_thread.items() if tid != pid), reverse=True)
+    result = {"backends": args.backends, "window_seconds": round(window, 2),
+              "cpu_seconds": round(cpu1 - cpu0, 3), "cpu_percent_of_one_core": round(100 * (cpu1 - cpu0) / window, 2),
+              "ui_thread_percent": round(100 * per_thread.get(pid, 0.0) / window, 2), "other_threads_percent": others,
+              "terminal": f"{args.width}x{args.height}", "keys": args.keys, "status_line": status.strip(), "load_average": os.getloadavg()[0]}
     print(json.dumps(result))
     return 0
 

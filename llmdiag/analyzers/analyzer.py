@@ -40,7 +40,7 @@ from llmdiag.analyzers.baseline import Baselines
 from llmdiag.analyzers.context import Context, gpus_from_processes
 from llmdiag.analyzers.penalties import BackendHealth, backend_health
 from llmdiag.analyzers.rules import RULES, Finding, Rule
-from llmdiag.analyzers.windows import WindowStore, is_counter
+from llmdiag.analyzers.windows import Series, WindowStore, is_counter
 from llmdiag.collectors.timewait import backend_destination
 from llmdiag.config import Config
 from llmdiag.config.analyzers import DiagnosisConfig
@@ -95,6 +95,8 @@ class Analyzer:
         self.rules: list[Rule] = [cls(diag.rule(kind)) for kind, cls in RULES.items() if diag.rule(kind).enabled]
         self.enforced = {kind: diag.rule(kind).enforce for kind in RULES}
         self.windows = WindowStore(diag.window_seconds)
+        self._series_of: dict[tuple[str, str], dict[object, Series]] = {}
+        self._sweeps_seen = self.windows.sweeps
         self.baselines = Baselines(diag.baseline_seconds, diag.baseline_warmup_seconds)
         self._tracks: dict[tuple[str, str, str], _Track] = {}
         self._counts = _Counts()
@@ -244,32 +246,51 @@ class Analyzer:
 
     def _record_signals(self, scope: str, subject: str, signals: Signals, ts: float) -> None:
         windows = self.windows
+        if windows.sweeps != self._sweeps_seen:
+            # The store forgot idle series: drop every kept reference (they are found again below).
+            self._series_of.clear()
+            self._sweeps_seen = windows.sweeps
+        # The subject's Series objects by signal (and (signal, ".", field) / (signal, "{", label)): the keys
+        # are built once, not a few thousand strings a tick at 64 backends.
+        known = self._series_of.get((scope, subject))
+        if known is None:
+            known = self._series_of[(scope, subject)] = {}
         prefix = f"{scope}/{subject}/"
         for name, value in signals.items():
             if value is None or isinstance(value, bool):
                 continue
             if isinstance(value, (int, float)):
                 if value == value:  # NaN/NA is "unknown": no point
-                    windows.append(prefix + name, ts, float(value))
+                    series = known.get(name)
+                    if series is None:
+                        series = known[name] = windows.series_for(prefix + name)
+                    series.append(ts, float(value))
             elif isinstance(value, Distribution):
                 for f in _DIST_FIELDS:
                     v = getattr(value, f)
                     if v is not None and v == v:
-                        windows.append(f"{prefix}{name}.{f}", ts, float(v))
+                        series = known.get((name, ".", f))
+                        if series is None:
+                            series = known[(name, ".", f)] = windows.series_for(f"{prefix}{name}.{f}")
+                        series.append(ts, float(v))
             elif isinstance(value, Labelled):
-                total_key = prefix + name
-                total_series = windows.series(total_key)
-                prev_ts = total_series.last_ts if total_series is not None else None
+                total_series = known.get(name)
+                if total_series is None:
+                    total_series = known[name] = windows.series_for(prefix + name)
+                prev_ts = total_series.last_ts
                 counter = is_counter(name)
                 total = 0.0
                 for label, v in value.items():
                     if v is None or v != v:
                         continue
-                    key = f"{prefix}{name}{{{label}}}"
-                    if counter and prev_ts is not None and windows.series(key) is None:
-                        # A label that appears mid-run (the first XID 79, the first CANCEL) counted from 0.
-                        windows.append(key, prev_ts, 0.0)
-                    windows.append(key, ts, float(v))
+                    series = known.get((name, "{", label))
+                    if series is None:
+                        key = f"{prefix}{name}{{{label}}}"
+                        fresh = windows.series(key) is None
+                        series = known[(name, "{", label)] = windows.series_for(key)
+                        if counter and prev_ts is not None and fresh:
+                            # A label that appears mid-run (the first XID 79, the first CANCEL) counted from 0.
+                            series.append(prev_ts, 0.0)
+                    series.append(ts, float(v))
                     total += float(v)
-                windows.append(total_key, ts, total)
-
+                total_series.append(ts, total)

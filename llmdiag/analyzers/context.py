@@ -76,13 +76,17 @@ class Context:
         self._backend_by_destination = {d: b for b, d in destination_of.items()}
         self._baseline_cache: dict[str, float | None] = {}
         self._owners: dict[str, str] | None = None
+        self._backends: list[str] | None = None
         #: (subject, key, value) updates applied after the tick unless the subject is frozen.
         self.baseline_updates: list[tuple[str, str, float]] = []
 
     # -- subjects ----------------------------------------------------------
     @property
     def backends(self) -> list[str]:
-        return sorted(self.snapshot.backends)
+        """The snapshot's backend names, sorted (once per tick: every rule asks)."""
+        if self._backends is None:
+            self._backends = sorted(self.snapshot.backends)
+        return list(self._backends)
 
     def gpus_for(self, backend: str) -> tuple[str, ...]:
         """The GPU indices serving ``backend``: ``Backend.gpus`` (override), else the GPUs its
@@ -178,6 +182,12 @@ class Context:
         if series is None or not len(series):
             return None, None, None
         ts, values = series.ts, series.values
+        # The common cases in one C-speed pass over the window: never down, or never up in it.
+        window = values[series.start:]
+        if min(window) >= 1:
+            return None, ts[-1], None
+        if max(window) < 1:
+            return ts[series.start], None, ts[-1]
         down_since = last_up = last_down = None
         for i in range(len(ts) - 1, series.start - 1, -1):
             if values[i] >= 1:

@@ -121,27 +121,43 @@ class WindowStore:
         self._series: dict[str, Series] = {}
         self._now = -math.inf
         self._last_sweep = -math.inf
+        #: How many sweeps have forgotten series: a caller that keeps :class:`Series` objects
+        #: (:meth:`series_for`) drops them when this changes.
+        self.sweeps = 0
 
     def __len__(self) -> int:
         return len(self._series)
 
     def append(self, key: str, ts: float, value: float) -> None:
+        self.series_for(key).append(ts, value)
+
+    def series_for(self, key: str) -> Series:
+        """The series of ``key``, created empty if there is none. It stays this store's series
+        until a sweep forgets it (see :attr:`sweeps`)."""
         series = self._series.get(key)
         if series is None:
             series = self._series[key] = Series(is_counter(key))
-        series.append(ts, value)
+        return series
 
     def advance(self, now: float) -> None:
         """Trim every series to the window; forget series idle for a whole window."""
         self._now = now
         oldest = now - self.window_seconds
+        max_points = self.max_points
         for series in self._series.values():
-            series.trim(oldest, self.max_points)
+            # Series.trim's own first test, inlined: most series (one point a tick) have nothing
+            # or one point to drop, and a call per series per tick is most of this loop's cost.
+            ts, start = series.ts, series.start
+            n = len(ts)
+            if (start + 1 < n and ts[start + 1] <= oldest) or n - start > max_points:
+                series.trim(oldest, max_points)
         if now - self._last_sweep >= self.window_seconds:
             self._last_sweep = now
             idle = [k for k, s in self._series.items() if s.last_ts is None or s.last_ts < oldest]
             for k in idle:
                 del self._series[k]
+            if idle:
+                self.sweeps += 1
 
     def series(self, key: str) -> Series | None:
         return self._series.get(key)

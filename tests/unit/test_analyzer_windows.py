@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from llmdiag.analyzers import Analyzer
 from llmdiag.analyzers.baseline import Baselines
 from llmdiag.analyzers.correlate import Event, coincide, follows
 from llmdiag.analyzers.windows import WindowStore, is_counter
+from llmdiag.config.analyzers import DiagnosisConfig
+from llmdiag.model import Distribution, Labelled, Snapshot
 
 
 def _feed(store: WindowStore, key: str, points: list[tuple[float, float]]) -> None:
@@ -54,6 +57,26 @@ def test_memory_is_bounded_by_window_and_idle_series_are_forgotten() -> None:
     s = w.series("b/x/kv_cache_usage")
     assert s is not None and len(s) <= 62 and len(s.ts) <= 2 * 62 + 64
     assert w.series("g/0/process_memory_bytes{pid=123}") is None
+
+
+def test_a_signal_back_after_its_series_was_forgotten_is_recorded_again() -> None:
+    # The analyzer keeps its Series objects from tick to tick; when the store forgets an idle
+    # series, the signal's next points must land in the store again, not in the forgotten object.
+    a = Analyzer(DiagnosisConfig(window_seconds=60))
+    for t in range(200):
+        signals: dict[str, object] = {"requests_waiting": 1.0}
+        if t < 10 or t >= 150:  # gone for 140 s: more than two windows
+            signals["kv_cache_usage"] = 0.5 if t < 10 else 0.9
+            signals["ttft_seconds"] = Distribution(p50=0.2, p99=0.6, ewma=0.25 if t < 10 else 0.3)
+            signals["h2_rst_stream_total"] = Labelled({"code=CANCEL": float(t)})
+        a.observe(Snapshot(ts=float(t), backends={"vllm-0": signals}))  # type: ignore[dict-item]
+    assert a.windows.sweeps >= 1
+    for key, latest in (("b/vllm-0/kv_cache_usage", 0.9), ("b/vllm-0/ttft_seconds.ewma", 0.3),
+                        ("b/vllm-0/h2_rst_stream_total{code=CANCEL}", 199.0), ("b/vllm-0/h2_rst_stream_total", 199.0)):
+        series = a.windows.series(key)
+        assert series is not None and series.latest() == latest, key
+        assert len(series) == 50, key  # 150..199, nothing from before the gap
+    assert a.windows.increase("b/vllm-0/h2_rst_stream_total{code=CANCEL}", 60) == pytest.approx(49.0)
 
 
 def test_out_of_order_points_are_ignored() -> None:

@@ -70,11 +70,15 @@ class Rule(Generic[C]):
         if holding and "holding" not in summary:
             summary += " (holding: past the exit threshold, no longer the enter one)"
         if penalty is None:
-            penalty = {
-                Severity.CRITICAL: self.config.critical_penalty,
-                Severity.WARNING: self.config.penalty,
-                Severity.INFO: 0.0,
-            }[severity]
+            # A branch, not a dict built per call: every rule makes a finding per subject per tick.
+            if severity is Severity.CRITICAL:
+                penalty = self.config.critical_penalty
+            elif severity is Severity.WARNING:
+                penalty = self.config.penalty
+            elif severity is Severity.INFO:
+                penalty = 0.0
+            else:
+                raise KeyError(severity)
         return Finding(
             enter=enter or False,
             stay=stay or enter or False,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from rich.cells import cell_len
 from rich.console import Group
 from rich.text import Text
 from textual.app import ComposeResult
@@ -19,9 +20,11 @@ from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import DataTable, Footer, Input, Static
+from textual.widgets.data_table import ColumnKey
 
 from llmdiag.cli.report import diagnosis_renderable
 from llmdiag.cli.tui.model import FleetRow, TopModel, fmt, number, sparkline
+from llmdiag.cli.tui.table import IncrementalDataTable
 from llmdiag.model import HOST, Distribution, Labelled, Severity
 
 if TYPE_CHECKING:
@@ -96,7 +99,8 @@ class FleetScreen(_Base):
     def compose(self) -> ComposeResult:
         yield from self.compose_status()
         yield Input(placeholder="filter: part of a backend name, state or diagnosis (Esc clears)", id="filter")
-        table: DataTable[Any] = DataTable(id="fleet", cursor_type="row", zebra_stripes=False)
+        # Rows rarely change all at once: redraw the changed cells, not all 64 x 15.
+        table = IncrementalDataTable(id="fleet", cursor_type="row", zebra_stripes=False)
         yield table
         yield Static("", id="summary", classes="summary")
         yield Footer()
@@ -163,13 +167,13 @@ class FleetScreen(_Base):
 
     def refresh_from(self, model: TopModel) -> None:
         self.update_status(model)
-        table = self.query_one("#fleet", DataTable)
+        table = self.query_one("#fleet", IncrementalDataTable)
         # The cursor keeps its row position (as in top(1)): the worst backend stays under it by default.
         position = table.cursor_row if table.row_count else 0
         rows = self.visible_rows(model)
         names = [r.name for r in rows]
-        if names == self._shown:
-            # Same rows in the same order (most ticks): rewrite only the cells that changed.
+        if names == self._shown or (len(names) == len(self._shown) and set(names) == set(self._shown)):
+            # Same rows (most ticks): rewrite only the cells that changed, then move the rows that moved.
             for row in rows:
                 spark = model.series(row.name, "score", last=8)
                 signature = (row, tuple(spark))
@@ -184,6 +188,12 @@ class FleetScreen(_Base):
                         # as "degra" when the row was first added while "healthy").
                         table.update_cell(row.name, key, cell, update_width=True)
                 self._cells_shown[row.name] = cells
+            if names != self._shown:
+                # A backend changed places (it got worse): reorder, not rebuild; rows that keep their
+                # place stay drawn, and the cursor stays on its row position as after a rebuild.
+                table.reorder(names)
+                self._shown = names
+                table.move_cursor(row=min(max(position, 0), len(rows) - 1), animate=False)
         else:
             table.clear()
             self._cells_shown = {}
@@ -195,6 +205,7 @@ class FleetScreen(_Base):
             self._shown = names
             if rows:
                 table.move_cursor(row=min(max(position, 0), len(rows) - 1), animate=False)
+        table.settle_widths()  # this tick's widths in this tick's frame (not on a later Idle)
         state = model.state
         n_open = len([d for d in state.open if d.backend != HOST]) if state else 0
         crit = len([d for d in state.open if d.severity is Severity.CRITICAL]) if state else 0
@@ -214,13 +225,17 @@ class FleetScreen(_Base):
         spark = sparkline(model.series(row.name, "score", last=8), 8, lo=0.0, hi=100.0)
         diag = Text(f"{_MARK[row.severity]}{row.diagnosis}" if row.severity else "-",
                     style=_SEV_STYLE[row.severity] if row.severity else "dim")
-        return [
-            Text(row.name, style="bold"), state, f"{fmt(row.score, '3.0f')} {spark}", diag,
-            fmt(row.penalty, ".2f"), fmt(None if row.weight_percent is None else float(row.weight_percent), ".0f", "%"),
+        plain = [
+            f"{fmt(row.score, '3.0f')} {spark}", fmt(row.penalty, ".2f"),
+            fmt(None if row.weight_percent is None else float(row.weight_percent), ".0f", "%"),
             fmt(row.ttft_p50, ".2f", "s"), fmt(row.ttft_p99, ".2f", "s"), fmt(row.waiting, ".0f"), fmt(row.kv, "%"),
             fmt(row.gpu_util, "%"), fmt(row.gpu_mem, "%"), fmt(row.timewait, ".0f"), fmt(row.rst_per_s, ".1f"),
             fmt(row.retrans_per_s, ".1f"),
         ]
+        # Text, not str: the table would parse every str cell as markup (and emoji codes) on each
+        # redraw of its row; this is the Text that parse gives for these markup-free strings.
+        score, penalty, weight, *rest = (Text(v, end="", no_wrap=True) for v in plain)
+        return [Text(row.name, style="bold"), state, score, diag, penalty, weight, *rest]
 
 
 class BackendScreen(_Base):
@@ -231,13 +246,18 @@ class BackendScreen(_Base):
     def __init__(self, backend: str) -> None:
         super().__init__()
         self.backend = backend
+        # What each part shows now: a part whose inputs did not change is not rebuilt (a Static
+        # update reflows the scrolling body; a cleared table re-renders every row).
+        self._routing_shown: Any = None
+        self._diagnoses_shown: Any = None
+        self._signal_rows: dict[str, tuple[str, str, str]] = {}
 
     def compose(self) -> ComposeResult:
         yield from self.compose_status()
         with VerticalScroll(id="backend-body"):
             yield Static("", id="routing", classes="panel")
             yield Static("", id="diagnoses", classes="panel")
-            yield DataTable(id="signals", cursor_type="row")
+            yield IncrementalDataTable(id="signals", cursor_type="row")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -252,46 +272,86 @@ class BackendScreen(_Base):
         if state is None:
             return
         routing = state.backends.get(self.backend)
+        # The "s left" of a deadline moves with the tick time; nothing else here does.
+        deadline = routing is not None and (routing.cooling_until is not None or routing.ejected_until is not None)
+        routing_inputs = (routing, state.ts if deadline else None)
+        if routing_inputs != self._routing_shown:
+            self.query_one("#routing", Static).update(self._routing_body(routing, state.ts))
+            self._routing_shown = routing_inputs
+        open_now = model.open_for(self.backend)
+        recent = [e for e in state.closed if e.diagnosis.backend == self.backend][-3:]
+        if (open_now, recent) != self._diagnoses_shown:
+            parts: list[Any] = [diagnosis_renderable(d) for d in open_now]
+            for e in reversed(recent):
+                parts.append(diagnosis_renderable(e.diagnosis, closed_at=e.closed_at, enforced=e.enforced))
+            if not parts:
+                parts.append(Text("no open or recent diagnoses", style="green"))
+            self.query_one("#diagnoses", Static).update(Group(Text("diagnoses", style="bold"), *parts))
+            self._diagnoses_shown = (open_now, recent)
+        self._refresh_signals(model)
+
+    def _routing_body(self, routing: Any, now: float) -> Group:
         head = Text()
         head.append(self.backend, style="bold underline")
-        if routing is not None:
-            head.append(f"  {routing.address}  " if routing.address else "  ")
-            head.append(routing.state.value.upper(), style=_STATE_STYLE.get(routing.state.value, ""))
-            head.append(f"  score {routing.score:.0f}  penalty {routing.penalty:.2f}  weight {routing.weight_percent}%")
-            why = [f"  {r.kind}: {r.summary} (penalty {r.penalty:.2f})" for r in routing.reasons]
-            if routing.cooling_until is not None:
-                why.append(f"  cooling until {utc(routing.cooling_until, False)} UTC ({routing.cooling_until - state.ts:.0f} s left)")
-            if routing.ejected_until is not None:
-                why.append(f"  ejected until {utc(routing.ejected_until, False)} UTC ({routing.ejected_until - state.ts:.0f} s left)")
-            if routing.state.value == "warming":
-                why.append("  warming: new or restarted, its share of traffic ramps up")
-            body = Group(head, Text("balancer: " + ("why:" if why else "nothing against it")), *[Text(w) for w in why])
-        else:
-            body = Group(head, Text("not routed by the balancer"))
-        self.query_one("#routing", Static).update(body)
-        parts: list[Any] = [diagnosis_renderable(d) for d in model.open_for(self.backend)]
-        recent = [e for e in state.closed if e.diagnosis.backend == self.backend][-3:]
-        for e in reversed(recent):
-            parts.append(diagnosis_renderable(e.diagnosis, closed_at=e.closed_at, enforced=e.enforced))
-        if not parts:
-            parts.append(Text("no open or recent diagnoses", style="green"))
-        self.query_one("#diagnoses", Static).update(Group(Text("diagnoses", style="bold"), *parts))
-        table = self.query_one("#signals", DataTable)
-        table.clear()
+        if routing is None:
+            return Group(head, Text("not routed by the balancer"))
+        head.append(f"  {routing.address}  " if routing.address else "  ")
+        head.append(routing.state.value.upper(), style=_STATE_STYLE.get(routing.state.value, ""))
+        head.append(f"  score {routing.score:.0f}  penalty {routing.penalty:.2f}  weight {routing.weight_percent}%")
+        why = [f"  {r.kind}: {r.summary} (penalty {r.penalty:.2f})" for r in routing.reasons]
+        if routing.cooling_until is not None:
+            why.append(f"  cooling until {utc(routing.cooling_until, False)} UTC ({routing.cooling_until - now:.0f} s left)")
+        if routing.ejected_until is not None:
+            why.append(f"  ejected until {utc(routing.ejected_until, False)} UTC ({routing.ejected_until - now:.0f} s left)")
+        if routing.state.value == "warming":
+            why.append("  warming: new or restarted, its share of traffic ramps up")
+        return Group(head, Text("balancer: " + ("why:" if why else "nothing against it")), *[Text(w) for w in why])
+
+    def _signal_rows_now(self, model: TopModel) -> list[tuple[str, str, str]]:
+        rows = []
         signals = model.snapshot.backends.get(self.backend, {})
         for name in sorted(signals):
             value = signals[name]
             if isinstance(value, Distribution):
                 for stat in ("p50", "p99"):
-                    table.add_row(f"{name}.{stat}", fmt(number(value, stat), ".3g"),
-                                  sparkline(model.series(self.backend, f"{name}.{stat}", last=30), 30))
+                    rows.append((f"{name}.{stat}", fmt(number(value, stat), ".3g"),
+                                 sparkline(model.series(self.backend, f"{name}.{stat}", last=30), 30)))
             elif name.endswith("_total"):
                 # Counters read as rates: a cumulative count says little at 3 a.m.
                 series = model.series(self.backend, name, last=30)
-                table.add_row(f"{name} /s", fmt(series[-1] if series else None, ".3g"), sparkline(series, 30))
+                rows.append((f"{name} /s", fmt(series[-1] if series else None, ".3g"), sparkline(series, 30)))
             else:
-                shown = _value_text(value)
-                table.add_row(name, shown, sparkline(model.series(self.backend, name, last=30), 30))
+                rows.append((name, _value_text(value), sparkline(model.series(self.backend, name, last=30), 30)))
+        return rows
+
+    def _refresh_signals(self, model: TopModel) -> None:
+        table = self.query_one("#signals", IncrementalDataTable)
+        rows = self._signal_rows_now(model)
+        names = [r[0] for r in rows]
+        if len(set(names)) != len(names):
+            # Two signals shown under one name (a signal "x.p50" next to a distribution "x"): rows
+            # without keys, rebuilt every tick as before; no crash on an odd snapshot.
+            table.clear()
+            for row in rows:
+                table.add_row(*row)
+            self._signal_rows = {}
+            return
+        if names != list(self._signal_rows):
+            table.clear()
+            for row in rows:
+                table.add_row(*row, key=row[0])
+            self._signal_rows = {row[0]: row for row in rows}
+            return
+        # Same signals as shown (most ticks): rewrite the cells that changed. A column only grows,
+        # as it did when the table was rebuilt every tick (added rows widen it, never narrow it).
+        for row in rows:
+            before = self._signal_rows[row[0]]
+            for key, new, old in (("value", row[1], before[1]), ("spark", row[2], before[2])):
+                if new != old:
+                    wider = cell_len(new) > table.columns[ColumnKey(key)].content_width
+                    table.update_cell(row[0], key, new, update_width=wider)
+            self._signal_rows[row[0]] = row
+        table.settle_widths()
 
 
 def _value_text(value: Any) -> str:
