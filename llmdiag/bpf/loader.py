@@ -32,7 +32,8 @@ no collector touches ``Program.bpf`` or ``bcc.libbcc``:
   named by :data:`ERROR_NAMES` plus what :meth:`Program.name_errors` adds for
   a program's own slots; lost perf events are counted too.
 
-Reading maps: :meth:`Program.read_hash` is a *cumulative* read by default.
+Reading maps: :meth:`Program.read_hash` is a *cumulative* read by default. Whole
+maps are read with batch lookups where the kernel has them (:mod:`llmdiag.bpf.maps`).
 Counters in llmdiag maps only grow; collectors keep the previous reading and
 report ``_total`` values or deltas. Read-and-clear (``clear=True``) is there
 for gauges that a program rebuilds every tick; it races with concurrent
@@ -278,8 +279,10 @@ class Program:
         self._uprobes: dict[int, list[tuple[str, list[bytes]]]] = {}
         self._closed = False
         self._close_lock = threading.Lock()
-        # Map name -> its batch reader; None once the kernel refused batches for that map.
+        # Map name -> its batch reader; None once the kernel refused batches for that map. The
+        # readers' buffers are shared, so reads take the lock (reads used to be safe from any thread).
         self._readers: dict[str, BatchReader | None] = {}
+        self._read_lock = threading.Lock()
         atexit.register(self.close)
 
     @classmethod
@@ -465,11 +468,12 @@ class Program:
         """Every entry of map ``name`` as ctypes pairs, by batch lookup where the kernel has it
         (:mod:`llmdiag.bpf.maps`), else key by key."""
         table = self.table(name)
-        if name in self._readers:
-            reader = self._readers[name]
-        else:
-            reader = BatchReader(table) if _batchable(table, delete) else None
-        raw, self._readers[name] = lookup_all(table, reader, delete=delete)
+        with self._read_lock:
+            if name in self._readers:
+                reader = self._readers[name]
+            else:
+                reader = BatchReader(table) if _batchable(table, delete) else None
+            raw, self._readers[name] = lookup_all(table, reader, delete=delete)
         return raw
 
     def read_hash(self, name: str, clear: bool = False) -> list[tuple[Any, Any]]:
