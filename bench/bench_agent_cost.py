@@ -10,7 +10,9 @@ a user runs it. After the BPF programs are attached and 5 s of warm-up, for ``--
 
 * CPU: the agent process's utime + stime (``/proc/PID/stat``) over wall time, in % of one core;
 * RSS: ``VmRSS`` at the end and ``VmHWM`` (peak) from ``/proc/PID/status``, split into ``RssAnon``
-  (the agent's own memory) and ``RssFile`` (mapped libraries: bcc's LLVM when BPF runs);
+  (the agent's own memory) and ``RssFile`` (mapped libraries: bcc's LLVM when BPF runs), and how
+  many *other* processes map libLLVM at the end (their shared pages stay in the agent's RSS: the
+  agent's ``MADV_PAGEOUT`` after compiling skips pages another process maps, see llmdiag.bpf.memory);
 * tick duration (collection + analysis): the agent's own ``llmdiag_tick_duration_seconds``
   histogram over the window (mean, share of ticks <= 50 ms, the bucket holding p99), and
   ``llmdiag_ticks_missed_total``; each collector's median ``llmdiag_collector_duration_seconds``
@@ -53,6 +55,20 @@ def status_kib(pid: int, key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1])
     raise KeyError(key)
+
+
+def processes_mapping(fragment: str, but: int) -> int:
+    """Processes other than ``but`` with a mapping whose path contains ``fragment``."""
+    count = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == but:
+            continue
+        try:
+            if fragment in (entry / "maps").read_text():
+                count += 1
+        except OSError:
+            continue
+    return count
 
 
 def histogram(url: str) -> dict[str, float]:
@@ -117,6 +133,7 @@ def main() -> int:
             h1, c1, t1 = histogram(agent.url), cpu_seconds(pid), time.monotonic()
             rss, hwm = status_kib(pid, "VmRSS"), status_kib(pid, "VmHWM")
             anon, file_backed = status_kib(pid, "RssAnon"), status_kib(pid, "RssFile")
+            llvm_sharers = processes_mapping("/libLLVM", pid)
         finally:
             stop_load.set()
             code, log, took = agent.stop()
@@ -133,6 +150,8 @@ def main() -> int:
         "peak_rss_mib": round(hwm / 1024, 1),
         "rss_anon_mib": round(anon / 1024, 1),  # the agent's own heap
         "rss_file_mib": round(file_backed / 1024, 1),  # mapped libraries (bcc's LLVM when BPF is on), shared
+        "other_processes_mapping_libllvm": llvm_sharers,
+        "load_average": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
         "ticks": int(count),
         "tick_mean_ms": round(1000 * (h1["llmdiag_tick_duration_seconds_sum"] - h0["llmdiag_tick_duration_seconds_sum"])
                               / max(count, 1), 2),

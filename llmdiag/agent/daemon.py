@@ -41,6 +41,7 @@ from llmdiag.agent.agent_check import AgentCheckServer
 from llmdiag.agent.loop import AgentLoop, AgentState
 from llmdiag.agent.probes import AgentProber
 from llmdiag.agent.wiring import COLLECTOR_FACTORIES, build_collectors, resolve_backends
+from llmdiag.bpf.memory import Released, release_compiler_memory
 from llmdiag.agent.ticker import collect_concurrently
 from llmdiag.collectors.base import CollectorUsageError, GuardedCollector
 from llmdiag.collectors.kube import PodMetadataReader
@@ -82,6 +83,8 @@ class Agent:
         self.fatal: str | None = None
         #: The fatal error was the user's input (a config value a collector rejects): exit 64.
         self.usage_error = False
+        #: What :meth:`_release_compiler_memory` did (None: not done, no BPF or turned off).
+        self.compiler_memory: Released | None = None
         self.http_address: tuple[str, int] | None = None
         self.agent_check_address: tuple[str, int] | None = None
         #: Engines the engine collector detected (backend name -> engine), for backends given without one.
@@ -185,6 +188,7 @@ class Agent:
             self._wake_async()
             return
         self._collectors = collectors
+        self._release_compiler_memory()
         self._built_mono = time.monotonic()
         interval = self.config.agent.interval_seconds
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmdiag-discovery")
@@ -215,6 +219,21 @@ class Agent:
             for c in self._collectors:
                 c.close()
             self.collectors_closed.set()
+
+    def _release_compiler_memory(self) -> None:
+        """Once every BPF program is compiled and loaded, give back what bcc's clang and LLVM
+        left resident (:mod:`llmdiag.bpf.memory`): ~50 MiB of heap and ~75 MiB of mapped code
+        with the tcp and cuda programs. Only where bcc was loaded; ``[agent]
+        release_compiler_memory = false`` keeps everything."""
+        if "bcc" not in sys.modules or not self.config.agent.release_compiler_memory:
+            return
+        try:
+            released = release_compiler_memory()
+        except Exception as exc:  # noqa: BLE001 - an optimisation: never a reason to stop the agent
+            log.warning("releasing the BPF compiler's memory failed: %s", exc)
+            return
+        self.compiler_memory = released
+        log.info("BPF programs loaded; released the compiler's memory: %s", released.describe())
 
     def _tick(self, unavailable: Mapping[str, CollectorStatus]) -> None:
         started = time.perf_counter()

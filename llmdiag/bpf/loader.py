@@ -32,7 +32,8 @@ no collector touches ``Program.bpf`` or ``bcc.libbcc``:
   named by :data:`ERROR_NAMES` plus what :meth:`Program.name_errors` adds for
   a program's own slots; lost perf events are counted too.
 
-Reading maps: :meth:`Program.read_hash` is a *cumulative* read by default.
+Reading maps: :meth:`Program.read_hash` is a *cumulative* read by default. Whole
+maps are read with batch lookups where the kernel has them (:mod:`llmdiag.bpf.maps`).
 Counters in llmdiag maps only grow; collectors keep the previous reading and
 report ``_total`` values or deltas. Read-and-clear (``clear=True``) is there
 for gauges that a program rebuilds every tick; it races with concurrent
@@ -68,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from llmdiag.bpf import features
+from llmdiag.bpf.maps import BatchReader, converter, lookup_all
 
 __all__ = [
     "BPF_DIR",
@@ -277,6 +279,10 @@ class Program:
         self._uprobes: dict[int, list[tuple[str, list[bytes]]]] = {}
         self._closed = False
         self._close_lock = threading.Lock()
+        # Map name -> its batch reader; None once the kernel refused batches for that map. The
+        # readers' buffers are shared, so reads take the lock (reads used to be safe from any thread).
+        self._readers: dict[str, BatchReader | None] = {}
+        self._read_lock = threading.Lock()
         atexit.register(self.close)
 
     @classmethod
@@ -425,8 +431,11 @@ class Program:
 
         Public API: its ``Key``/``Leaf`` ctypes types build keys and values for
         :meth:`update_map`; ``keys()``, ``items()`` and ``del table[key]`` read and
-        delete entries. Plain reads are simpler through :meth:`read_hash`/:meth:`read_array`."""
-        return self.bpf.get_table(name.encode())
+        delete entries. Plain reads are simpler through :meth:`read_hash`/:meth:`read_array`.
+
+        The same object every time: bcc's ``get_table`` builds new ctypes types from the
+        map's JSON description on each call (milliseconds, and new types each tick)."""
+        return self.bpf[name.encode()]
 
     def update_map(self, name: str, key: Any, value: Any, exist: str = "any") -> bool:
         """Write ``key -> value`` into map ``name``; ``exist`` is ``"any"`` (insert or
@@ -455,28 +464,44 @@ class Program:
         what = "map full" if err == errno.E2BIG else os.strerror(err)
         raise OSError(err, f"{self.name}: updating map {name} failed: {what}")
 
+    def _read_all(self, name: str, delete: bool = False) -> list[tuple[Any, Any]]:
+        """Every entry of map ``name`` as ctypes pairs, by batch lookup where the kernel has it
+        (:mod:`llmdiag.bpf.maps`), else key by key."""
+        table = self.table(name)
+        with self._read_lock:
+            if name in self._readers:
+                reader = self._readers[name]
+            else:
+                reader = BatchReader(table) if _batchable(table, delete) else None
+            raw, self._readers[name] = lookup_all(table, reader, delete=delete)
+        return raw
+
     def read_hash(self, name: str, clear: bool = False) -> list[tuple[Any, Any]]:
         """All entries of a hash map as ``(key, value)`` pairs of plain Python data
         (see :func:`plain`). Cumulative by default; ``clear=True`` deletes what was read."""
-        table = self.bpf.get_table(name.encode())
-        raw = list(table.items())
-        if clear:
-            for key, _ in raw:
-                with contextlib.suppress(KeyError):
-                    del table[key]
-        return [(plain(k), plain(v)) for k, v in raw]
+        table = self.table(name)
+        raw = self._read_all(name, delete=clear)
+        key_plain, value_plain = converter(table.Key), converter(table.Leaf)
+        return [(key_plain(k), value_plain(v)) for k, v in raw]
 
     def read_array(self, name: str) -> list[int]:
         """An array of integers as a list (per-CPU arrays are summed over CPUs)."""
-        table = self.bpf.get_table(name.encode())
-        out: list[int] = []
-        for i in range(len(table)):
-            value = table[table.Key(i)]
-            if isinstance(value, (list, tuple)) or hasattr(value, "__len__") and not hasattr(value, "value"):
-                out.append(int(sum(int(getattr(v, "value", v)) for v in value)))
-            else:
-                out.append(int(getattr(value, "value", value)))
-        return out
+        table = self.table(name)
+        if not _batchable(table, False):  # per-CPU: bcc's reducer-aware lookup, index by index
+            out: list[int] = []
+            for i in range(len(table)):
+                value = table[table.Key(i)]
+                if isinstance(value, (list, tuple)) or hasattr(value, "__len__") and not hasattr(value, "value"):
+                    out.append(int(sum(int(getattr(v, "value", v)) for v in value)))
+                else:
+                    out.append(int(getattr(value, "value", value)))
+            return out
+        values = [0] * len(table)
+        for key, value in self._read_all(name):
+            index = int(getattr(key, "value", key))
+            if 0 <= index < len(values):
+                values[index] = int(getattr(value, "value", value))
+        return values
 
     def name_errors(self, names: Mapping[int, str]) -> None:
         """Name this program's own ``llmdiag_errors`` slots (beyond :data:`ERROR_NAMES`),
@@ -561,17 +586,20 @@ class Program:
 def plain(value: Any) -> Any:
     """ctypes data from a bcc table as Python data: integers stay integers, a
     struct becomes a dict of its fields, a byte array ``bytes``, other arrays lists."""
-    import ctypes  # noqa: PLC0415 - only needed with bcc
-
-    if isinstance(value, ctypes.Structure | ctypes.Union):
-        return {name: plain(getattr(value, name)) for name, *_ in value._fields_}
-    if isinstance(value, ctypes.Array):
-        if value._type_ in (ctypes.c_ubyte, ctypes.c_byte, ctypes.c_char):
-            return bytes(value)
-        return [plain(v) for v in value]
-    if hasattr(value, "value"):
-        return value.value
+    if isinstance(value, ctypes.Structure | ctypes.Union | ctypes.Array | ctypes._SimpleCData):
+        return converter(type(value))(value)
     return value
+
+
+#: bcc table classes whose entries batch lookups read as plain Key/Leaf pairs. Per-CPU maps
+#: (whose Leaf bcc rewrites into a per-CPU array) and others keep bcc's own iteration.
+_BATCH_TABLES = {"HashTable": (True, True), "LruHash": (True, True), "Array": (True, False)}
+
+
+def _batchable(table: Any, delete: bool) -> bool:
+    """Whether ``table`` can be read with batch lookups (``delete``: and deleted; arrays cannot)."""
+    lookup, deletable = _BATCH_TABLES.get(type(table).__name__, (False, False))
+    return lookup and (deletable or not delete)
 
 
 def _as_ctype(ctype: Any, value: Any, what: str) -> Any:

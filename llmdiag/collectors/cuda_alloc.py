@@ -193,6 +193,7 @@ class CudaAllocCollector:
         self._traced: dict[int, _Traced] = {}
         self._failed: dict[int, str] = {}  # tgid -> why it could not be traced (until it exits)
         self._candidates: dict[int, str] = {}  # tgid -> backend, from the last scan
+        self._last_pids: dict[str, int] = {}  # backend -> pid of its listener, from the last scan
         self._retired: dict[str, _Counts] = {}  # backend -> counts of its exited processes
         self._symbols: dict[tuple[int, int], set[str]] = {}  # (st_dev, st_ino) -> exported functions
         self._last_scan: float | None = None
@@ -226,7 +227,10 @@ class CudaAllocCollector:
     def _backend_pids(self) -> dict[str, int]:
         """Backend name -> pid: ``Backend.pid`` when discovery filled it, else the local process
         listening on the backend's port (``--backend http://127.0.0.1:8000`` carries no pid)."""
-        return local_backend_pids(self.backends, self.proc_root)
+        # The owners found last time are checked first: a rescan every rescan_seconds then reads
+        # those processes' descriptors only, not every process's on the host.
+        self._last_pids = local_backend_pids(self.backends, self.proc_root, likely=self._last_pids.values())
+        return self._last_pids
 
     def _exports(self, path: str) -> set[str]:
         st = os.stat(path)

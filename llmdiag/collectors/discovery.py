@@ -1,9 +1,11 @@
 """Find inference engines on this host from its listening TCP sockets.
 
-1. ``/proc/net/tcp`` and ``/proc/net/tcp6``: sockets in LISTEN state (``st``
-   ``0A``), with their local address, port and socket inode. That is the
-   agent's own network namespace (the node's, in a ``hostNetwork`` agent);
-   a wildcard listener there is probed on loopback.
+1. Sockets in LISTEN state, with their local address, port and socket inode, in the
+   agent's own network namespace (the node's, in a ``hostNetwork`` agent): from sock_diag
+   on the live host (the kernel walks only its listening sockets), else (a recorded tree,
+   or sock_diag refused) ``/proc/net/tcp`` and ``/proc/net/tcp6`` (``st`` ``0A``), which
+   list every socket of the host, TIME_WAIT ones included. A wildcard listener there is
+   probed on loopback.
 2. Every other network namespace of a local process (a pod without
    ``hostNetwork``; see :mod:`llmdiag.collectors.netns`): processes are
    grouped by ``/proc/PID/ns/net``, and each namespace's
@@ -46,6 +48,7 @@ from llmdiag.collectors.engine_names import ALL_PREFIXES, detect_dialect
 from llmdiag.collectors.engine_parse import parse_exposition, read_engines
 from llmdiag.collectors.http_fetch import PROMETHEUS_ACCEPT, FetchFunction, http_get
 from llmdiag.collectors.netns import NamespaceAddresses, read_namespace_addresses, scan_namespaces
+from llmdiag.collectors.sockdiag import SockDiagError, iter_listening
 from llmdiag.model import Backend
 
 __all__ = [
@@ -90,7 +93,18 @@ def _ipv6(hex_addr: str) -> str:
 
 def listening_sockets(proc_root: str | os.PathLike[str] = "/proc", pid: int | None = None) -> list[ListeningSocket]:
     """Every TCP socket in LISTEN state in the reader's network namespace, or in that of ``pid``;
-    a missing or garbled table gives fewer sockets, not an error."""
+    a missing or garbled table gives fewer sockets, not an error.
+
+    The reader's own namespace on the live ``/proc`` comes from sock_diag
+    (:func:`~llmdiag.collectors.sockdiag.iter_listening`); another root (a recorded tree), another
+    process's namespace (sock_diag answers only for the reader's), or a failed sock_diag read the
+    ``net/tcp`` files."""
+    if pid is None and Path(proc_root) == Path("/proc"):
+        try:
+            return [ListeningSocket(socket.inet_ntop(family, addr), port, inode, family)
+                    for family, addr, port, inode in iter_listening()]
+        except (SockDiagError, OSError, ValueError) as exc:
+            log.debug("sock_diag listing of listening sockets failed (%s): reading /proc/net/tcp", exc)
     out: list[ListeningSocket] = []
     net = Path(proc_root) / "net" if pid is None else Path(proc_root) / str(pid) / "net"
     for name, family, decode in (("tcp", socket.AF_INET, _ipv4), ("tcp6", socket.AF_INET6, _ipv6)):
@@ -110,18 +124,36 @@ def listening_sockets(proc_root: str | os.PathLike[str] = "/proc", pid: int | No
     return out
 
 
-def socket_owners(inodes: Iterable[int], proc_root: str | os.PathLike[str] = "/proc") -> dict[int, int]:
-    """``{socket inode: pid}`` by reading ``/proc/PID/fd`` links; vanished or unreadable processes are skipped."""
+def socket_owners(inodes: Iterable[int], proc_root: str | os.PathLike[str] = "/proc",
+                  likely: Iterable[int] = ()) -> dict[int, int]:
+    """``{socket inode: pid}`` by reading ``/proc/PID/fd`` links; vanished or unreadable processes are skipped.
+
+    ``likely`` pids (the owners found last time) are read first, in that order: when they
+    still hold every inode, no other process is read. Reading every process's fd links is
+    the expensive part (a ``readlink`` per descriptor on the host: ~20 ms of CPU for 16
+    backends among ~120 processes), and a rescan usually finds the same owners."""
     wanted = {f"socket:[{inode}]": inode for inode in inodes}
     owners: dict[int, int] = {}
     if not wanted:
         return owners
     root = Path(proc_root)
+    first = list(dict.fromkeys(likely))
+    if _read_owners(root, first, wanted, owners):
+        return owners
     try:
         pids = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
     except OSError:
         return owners
+    seen = set(first)
+    _read_owners(root, [pid for pid in pids if pid not in seen], wanted, owners)
+    return owners
+
+
+def _read_owners(root: Path, pids: Iterable[int], wanted: dict[str, int], owners: dict[int, int]) -> bool:
+    """Add the owners of ``wanted`` found among ``pids`` to ``owners``; True once all are found."""
     for pid in pids:
+        if len(owners) == len(wanted):
+            return True
         try:
             fds = os.scandir(root / str(pid) / "fd")
         except OSError:  # gone, or not ours to read without root
@@ -135,9 +167,7 @@ def socket_owners(inodes: Iterable[int], proc_root: str | os.PathLike[str] = "/p
                 inode = wanted.get(target)
                 if inode is not None and inode not in owners:
                     owners[inode] = pid
-        if len(owners) == len(wanted):
-            break
-    return owners
+    return len(owners) == len(wanted)
 
 
 _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "::ffff:127.0.0.1"})
@@ -524,7 +554,8 @@ def _same_ip(a: str, b: str) -> bool:
         return a == b
 
 
-def local_backend_pids(backends: Iterable[Backend], proc_root: str | os.PathLike[str] = "/proc") -> dict[str, int]:
+def local_backend_pids(backends: Iterable[Backend], proc_root: str | os.PathLike[str] = "/proc",
+                       likely: Iterable[int] = ()) -> dict[str, int]:
     """Backend name -> pid of the local process listening on its port.
 
     ``Backend.pid`` wins where it is set. Otherwise a listener in the agent's namespace on the
@@ -533,7 +564,8 @@ def local_backend_pids(backends: Iterable[Backend], proc_root: str | os.PathLike
     a wildcard listener may belong to a different host's engine, so it is not guessed at.
     A backend addressed at a pod IP (an address of another local network namespace) gets the
     process listening on that address or a wildcard one, on its port, in that namespace.
-    Backends without a local listener are left out.
+    Backends without a local listener are left out. ``likely``: pids to look at first
+    (the last answer; see :func:`socket_owners`).
     """
     backends = list(backends)
     pids = {b.name: b.pid for b in backends if b.pid}
@@ -554,7 +586,7 @@ def local_backend_pids(backends: Iterable[Backend], proc_root: str | os.PathLike
             _pod_listeners(proc_root, elsewhere, {s.inode for s in listening}, wanted)
         except Exception as exc:  # noqa: BLE001 - best effort, as for the node's own sockets
             log.warning("reading the network namespaces of local processes failed: %s", exc)
-    for inode, pid in socket_owners(wanted, proc_root).items():
+    for inode, pid in socket_owners(wanted, proc_root, likely).items():
         for name in wanted[inode]:
             pids[name] = pid
     return pids

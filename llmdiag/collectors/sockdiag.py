@@ -25,7 +25,7 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["DestinationSockets", "SockDiagError", "TCP_STATES", "dump_tcp", "format_endpoint", "iter_tcp"]
+__all__ = ["DestinationSockets", "SockDiagError", "TCP_STATES", "dump_tcp", "format_endpoint", "iter_listening", "iter_tcp"]
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -156,6 +156,26 @@ def iter_tcp(
     for family in families:
         for state, dst, dport, sport, fam, _expires, _src in _dump(family, mask):
             yield state, sport, format_endpoint(fam, dst, dport)
+
+
+def iter_listening() -> Iterator[tuple[int, bytes, int, int]]:
+    """``(family, local address, local port, socket inode)`` of every TCP socket in LISTEN.
+
+    One sock_diag dump for both families (per family if the kernel refuses that form). The
+    kernel walks only its listening hash for it, where ``/proc/net/tcp`` prints every socket
+    of the host, TIME_WAIT ones included (16 ms of CPU with ~900 of them, against well
+    under 1 ms here)."""
+    mask = 1 << TCP_STATES["LISTEN"]
+    unpack_msg = _MSG.unpack_from
+    try:
+        batches = list(_batches(socket.AF_UNSPEC, mask))
+    except SockDiagError:
+        batches = [batch for family in (socket.AF_INET, socket.AF_INET6) for batch in _batches(family, mask)]
+    for buf, bodies in batches:
+        for body in bodies:
+            fam, _state, _t, _r, sport, _dport, src, _dst, _if, _cookie, _exp, _rq, _wq, _uid, inode = unpack_msg(buf, body)
+            width = 16 if fam == socket.AF_INET6 else 4
+            yield fam, bytes(src[:width]), int.from_bytes(sport, "big"), inode
 
 
 def dump_tcp(

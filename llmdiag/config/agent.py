@@ -51,6 +51,9 @@ class AgentConfig:
     #: Active probes of the backends (a 1-token completion; [balancer] probe_* keys): saturation
     #: answers cool a backend (agent-check ``drain``), repeated failures eject it (``down``).
     probes: bool = True
+    #: Once the BPF programs are loaded, give back the memory bcc's compiler left resident
+    #: (``malloc_trim`` and ``MADV_PAGEOUT`` on libLLVM/libclang code; llmdiag.bpf.memory).
+    release_compiler_memory: bool = True
 
     def __post_init__(self) -> None:
         for key in ("interval_seconds", "discover_interval_seconds", "agent_check_timeout_seconds", "penalties_ttl_seconds"):

@@ -148,6 +148,51 @@ def test_update_map_insert_only_overwrite_only_and_full() -> None:
         prog.update_map("transitions", 1, 1)
 
 
+def test_batch_reads_match_key_by_key_reads_past_the_first_buffer_and_clear() -> None:
+    # 1,000 entries: more than the batch reader's first buffer (64), so it grows mid-walk.
+    prog = Program.load("selftest", {"SELFTEST_PORT": _UNUSED_PORT, "MAX_TRANSITIONS": 4096})
+    try:
+        expected = {key: key * 3 + 1 for key in range(1000)}
+        for key, value in expected.items():
+            prog.update_map("transitions", key, value)
+        table = prog.table("transitions")
+        assert prog.table("transitions") is table  # one bcc table object, not a new one per call
+        by_key = {k.value: v.value for k, v in table.items()}
+        assert by_key == expected
+        assert dict(prog.read_hash("transitions")) == expected
+        assert prog._readers["transitions"] is not None  # the batch path was taken (kernel >= 5.6)
+        assert dict(prog.read_hash("transitions")) == expected  # the buffers are reused, results copied
+        prog.update_map("llmdiag_errors", 1, 7)
+        assert prog.read_array("llmdiag_errors")[:2] == [0, 7]
+        assert dict(prog.read_hash("transitions", clear=True)) == expected
+        assert prog.read_hash("transitions") == []
+        prog.update_map("transitions", 5, 6)
+        assert prog.read_hash("transitions") == [(5, 6)]
+    finally:
+        prog.close()
+
+
+def test_reads_fall_back_to_key_by_key_when_the_kernel_refuses_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmdiag.bpf import maps
+
+    def refuse(self: maps.BatchReader, delete: bool = False) -> list:
+        raise maps.BatchUnsupported("EINVAL")
+
+    monkeypatch.setattr(maps.BatchReader, "read", refuse)
+    prog = Program.load("selftest", {"SELFTEST_PORT": _UNUSED_PORT})
+    try:
+        for key in range(10):
+            prog.update_map("transitions", key, key + 100)
+        assert dict(prog.read_hash("transitions")) == {k: k + 100 for k in range(10)}
+        assert prog._readers["transitions"] is None  # not asked again
+        prog.update_map("llmdiag_errors", 0, 2)
+        assert prog.errors()["map_full"] == 2
+        assert len(dict(prog.read_hash("transitions", clear=True))) == 10
+        assert prog.read_hash("transitions") == []
+    finally:
+        prog.close()
+
+
 def test_errors_reports_every_slot_and_names_added_by_the_program() -> None:
     prog = Program.load("selftest", {"SELFTEST_PORT": _UNUSED_PORT})
     try:

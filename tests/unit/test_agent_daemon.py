@@ -96,3 +96,31 @@ def test_backend_info_takes_the_engine_detected_by_the_first_scrape() -> None:
     text = generate_latest(agent.registry).decode()
     assert 'llmdiag_backend_info{address="127.0.0.1:%d",backend="sgl",container="",engine="sglang",' % server.port in text
     assert agent.backends[0].engine is None  # the given backend is left as it was
+
+
+def test_compiler_memory_is_released_only_with_bcc_loaded_and_unless_turned_off(monkeypatch) -> None:
+    import sys
+
+    from llmdiag.agent import daemon
+    from llmdiag.bpf.memory import Released
+
+    done = Released(100, 60, 90, 10, True, 4, "pageout")
+    calls: list[int] = []
+    monkeypatch.setattr(daemon, "release_compiler_memory", lambda: calls.append(1) or done)
+    monkeypatch.delitem(sys.modules, "bcc", raising=False)
+    agent = Agent(CONFIG, backends=[])
+    agent._release_compiler_memory()
+    assert calls == [] and agent.compiler_memory is None  # no BPF program was compiled: nothing to give back
+    monkeypatch.setitem(sys.modules, "bcc", object())
+    agent._release_compiler_memory()
+    assert calls == [1] and agent.compiler_memory is done
+    off = Agent(Config.from_toml('[agent]\ndiscover = false\ncollectors = ["proc"]\nprobes = false\n'
+                                 "release_compiler_memory = false\n"), backends=[])
+    off._release_compiler_memory()
+    assert calls == [1] and off.compiler_memory is None
+
+    def broken() -> Released:
+        raise OSError("no /proc")
+
+    monkeypatch.setattr(daemon, "release_compiler_memory", broken)
+    agent._release_compiler_memory()  # logged, never raised: the agent keeps running

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 import socket
 
 from engine_http import FIXTURES, SHARED_ENGINES, ScriptedServer
@@ -122,3 +123,50 @@ def test_configured_loopback_backend_gets_the_pid_of_its_listener() -> None:
         assert local_backend_pids([Backend.from_url(f"http://localhost:{port}")]) == {f"localhost:{port}": os.getpid()}
         # Another host's address is never guessed at, even on the same port.
         assert local_backend_pids([Backend.from_url(f"http://10.255.0.1:{port}")]) == {}
+
+
+def test_likely_owners_are_read_first_and_alone_when_they_hold_every_socket(tmp_path, monkeypatch):
+    # A socket inherited across fork has two owners: the scan in pid order names the lower pid,
+    # a likely pid is asked first and, holding every wanted socket, is the only one read.
+    root = fake_proc(tmp_path, "", fds={77: [111], 4242: [111, 5], 9000: [6]})
+    assert socket_owners([111, 5], root) == {111: 77, 5: 4242}
+    assert socket_owners([111, 5], root, likely=[4242]) == {111: 4242, 5: 4242}
+    # A likely pid that is gone or holds only part: the others are still read.
+    assert socket_owners([111, 5, 6], root, likely=[31337, 4242]) == {111: 4242, 5: 4242, 6: 9000}
+    scanned: list[str] = []
+    real_scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda path: scanned.append(Path(path).parent.name) or real_scandir(path))
+    assert socket_owners([111, 5], root, likely=[4242]) == {111: 4242, 5: 4242}
+    assert scanned == ["4242"]  # no other process's descriptors were read
+
+
+def test_live_listeners_come_from_sock_diag_and_match_proc_net_tcp(monkeypatch):
+    import socket as socket_module
+
+    from llmdiag.collectors import discovery
+    from llmdiag.collectors.sockdiag import SockDiagError
+
+    with socket_module.socket() as srv, socket_module.socket(socket_module.AF_INET6) as srv6:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        srv6.bind(("::1", 0))
+        srv6.listen(1)
+        mine = {discovery.ListeningSocket("127.0.0.1", srv.getsockname()[1], os.fstat(srv.fileno()).st_ino,
+                                          socket_module.AF_INET),
+                discovery.ListeningSocket("::1", srv6.getsockname()[1], os.fstat(srv6.fileno()).st_ino,
+                                          socket_module.AF_INET6)}
+        live = set(listening_sockets())
+        from_files = set(listening_sockets("/proc/self/.."))  # another spelling of /proc: the files
+        calls: list[int] = []
+
+        def refused():
+            calls.append(1)
+            raise SockDiagError(1, "sock_diag: Operation not permitted")
+            yield  # pragma: no cover - a generator, as the real one
+
+        monkeypatch.setattr(discovery, "iter_listening", refused)
+        fallback = set(listening_sockets())
+    assert mine <= live and mine <= from_files and mine <= fallback
+    assert calls == [1]  # sock_diag was asked, refused, and the files answered
+    # The same host, read both ways a moment apart: other jobs may open or close listeners meanwhile.
+    assert len(live ^ from_files) <= 4
