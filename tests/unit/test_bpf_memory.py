@@ -120,6 +120,9 @@ def test_no_malloc_trim_no_compiler_and_no_proc_are_reported_not_raised(tmp_path
 
 
 def test_release_on_this_process_never_raises() -> None:
-    # The real libc and /proc/self: no compiler is mapped in a unit test, malloc_trim runs (glibc).
+    # The real libc and /proc/self, malloc_trim runs (glibc). The compiler is mapped here only when
+    # an earlier test in this process loaded bcc (the root tier): then its code pages are released.
+    mapped = len(compiler_mappings(Path("/proc/self/maps").read_text()))
     released = release_compiler_memory()
-    assert released.mappings == 0 and released.anon_after_kib is not None
+    assert released.anon_after_kib is not None
+    assert (released.mappings > 0) if mapped else (released.mappings == 0)
