@@ -45,6 +45,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -62,7 +63,9 @@ from llmdiag.router_feedback.retry import RetryPolicy
 from llmdiag.gateway.engine_signals import EngineSignals
 from llmdiag.gateway.metrics import GatewayMetrics
 from llmdiag.gateway.mirror import Mirror
-from llmdiag.gateway.request import BadRequest, forward_headers, parse_request
+from llmdiag.gateway.request import BadRequest, forward_headers, forward_raw_headers, parse_request
+from llmdiag.gateway.upstream import (ConnectFailed, UpstreamConnection, UpstreamError, UpstreamPool,
+                                      UpstreamTimeout)
 
 __all__ = ["BACKEND_HEADER", "CLIENT_CLOSED", "Gateway", "access_logger"]
 
@@ -77,6 +80,9 @@ CLIENT_CLOSED = 499
 #: Error bodies are read up to this size (classification reads a prefix; the client gets what was read).
 _MAX_ERROR_BODY = 256 * 1024
 _MAX_MODELS_BODY = 1 << 20
+#: Client-side write buffer above which reading from the backend pauses, and below which it resumes.
+_HIGH_WATER = 1 << 20
+_LOW_WATER = 256 * 1024
 
 
 @dataclass(slots=True)
@@ -127,6 +133,8 @@ class Gateway:
                                if config.engine_signals else None)
         self.metrics = GatewayMetrics(balancer, self.agents, extra=self._extra_counters)
         self._session: aiohttp.ClientSession | None = None
+        self._pool: UpstreamPool | None = None
+        self._targets: dict[str, tuple[bytes, bytes]] = {}  # backend URL -> (Host header line, path prefix)
         self._runner: web.AppRunner | None = None
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -158,6 +166,10 @@ class Gateway:
         # No automatic Accept/Accept-Encoding/User-Agent: upstream sees the client's own headers.
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False, timeout=self._timeout,
                                               skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent"))
+        # The request path's own client (llmdiag.gateway.upstream); the aiohttp session above serves
+        # everything off that path: probes, /v1/models, agents, the mirror.
+        self._pool = UpstreamPool(limit_per_backend=cfg.max_connections_per_backend, keepalive_seconds=cfg.keepalive_seconds,
+                                  connect_timeout=cfg.connect_timeout_seconds)
         if cfg.mirror_url:
             self.mirror = Mirror(cfg.mirror_url, cfg.mirror_fraction, cfg.mirror_max_in_flight, self._session,
                                  cfg.request_timeout_seconds, self._rng, self.metrics.mirrored)
@@ -196,6 +208,9 @@ class Gateway:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -229,9 +244,9 @@ class Gateway:
             routed = parse_request(raw, cfg.chars_per_token)
         except BadRequest as exc:
             return self._finish_local(request, started, _error(400, str(exc)))
-        headers = forward_headers(request.headers.items())
+        headers = forward_raw_headers(request.raw_headers)
         if self.mirror is not None:
-            self.mirror.maybe(endpoint, raw, headers)
+            self.mirror.maybe(endpoint, raw, forward_headers(request.headers.items()))
         tried: list[str] = []
         failure: _Failure | None = None
         reason = "pick"
@@ -251,11 +266,9 @@ class Gateway:
                             404, f"The model `{routed.model}` does not exist.", "model_not_found"), routed.model)
                     return self._finish_local(request, started, _error(503, str(exc), "no_backend_available"), routed.model)
                 decision = time.perf_counter() - t0
-                metrics.decision.labels(backend.name).observe(decision)
-                metrics.picks.labels(backend.name).inc()
                 tried.append(backend.name)
                 result = await self._attempt(request, backend, routed.stream, routed.est_prompt_tokens, raw, headers,
-                                             len(tried), reason, started, routed.model)
+                                             len(tried), reason, started, routed.model, decision)
                 if not isinstance(result, _Failure):
                     return result
                 failure = result
@@ -274,105 +287,145 @@ class Gateway:
         """Whether any backend (eligible or not) serves ``model``; backends without a model list serve anything."""
         return any(not b.models or model in b.models for b in self.balancer.backends)
 
+    def _request_bytes(self, backend: Backend, path: str, headers: bytes, raw: bytes) -> bytes:
+        """The upstream request, head and body in one piece (one write, one segment on the wire)."""
+        target = self._targets.get(backend.url)
+        if target is None:
+            parts = urlsplit(backend.url)
+            host = parts.hostname or ""
+            host = f"[{host}]" if ":" in host else host
+            default = 443 if parts.scheme == "https" else 80
+            netloc = host if parts.port in (None, default) else f"{host}:{parts.port}"
+            target = self._targets[backend.url] = (f"Host: {netloc}\r\n".encode(), parts.path.rstrip("/").encode())
+        host_line, prefix = target
+        return b"".join((b"POST ", prefix, path.encode(), b" HTTP/1.1\r\n", host_line, headers,
+                         b"Content-Length: %d\r\n\r\n" % len(raw), raw))
+
     async def _attempt(self, request: web.Request, backend: Backend, stream: bool, est: int, raw: bytes,
-                       headers: list[tuple[str, str]], attempt: int, reason: str, started: float,
-                       model: str | None) -> web.StreamResponse | _Failure:
-        """One upstream exchange; a :class:`_Failure` when nothing reached the client (retry candidate)."""
+                       headers: bytes, attempt: int, reason: str, started: float, model: str | None,
+                       decision: float) -> web.StreamResponse | _Failure:
+        """One upstream exchange; a :class:`_Failure` when nothing reached the client (retry candidate).
+
+        Order matters for TTFT: the request goes upstream first, and the
+        bookkeeping (metrics, the route header) runs while the backend works.
+        """
         balancer = self.balancer
-        assert self._session is not None
-        score = balancer.score(backend)
-        load = balancer.load(backend)
-        route = f"score={score:.1f}; load={load:.1f}; attempt={attempt}"
-        sent_at = time.perf_counter()
-        upstream: aiohttp.ClientResponse | None = None
-        first_at: float | None = None
-        size = 0
+        pool = self._pool
+        assert pool is not None
+        cfg = self.config
+        conn: UpstreamConnection | None = None
+        relay: _Relay | None = None
         finished = False
+        route = ""
         try:
             try:
-                upstream = await self._session.post(backend.url + request.path, data=raw, headers=headers)
-            except asyncio.TimeoutError:
+                conn = await pool.acquire(backend.url)
+                sent_at = time.perf_counter()
+                conn.send(self._request_bytes(backend, request.path, headers, raw), cfg.idle_timeout_seconds,
+                          asyncio.get_running_loop().time() + cfg.request_timeout_seconds)
+                metrics = self.metrics
+                metrics.decision.labels(backend.name).observe(decision)
+                metrics.picks.labels(backend.name).inc()
+                route = f"score={balancer.score(backend):.1f}; load={balancer.load(backend):.1f}; attempt={attempt}"
+                head = await conn.read_head()
+            except UpstreamTimeout:
                 return self._failed(backend, TIMEOUT, est)
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            except ConnectFailed as exc:
                 # Refused, reset, or a pooled connection the backend had closed: nothing was processed.
                 log.debug("%s: %s", backend.name, exc)
                 return self._failed(backend, CONNECT_ERROR, est)
-            except aiohttp.ClientError as exc:
+            except UpstreamError as exc:
                 log.debug("%s: %s", backend.name, exc)
                 return self._failed(backend, 502, est)
-            if upstream.status != 200:
+            if head.status != 200:
                 try:
-                    body = await _read_capped(upstream.content, _MAX_ERROR_BODY)
-                except (asyncio.TimeoutError, aiohttp.ClientError):
+                    body = await conn.read_body(_MAX_ERROR_BODY)
+                except UpstreamError:
                     body = b""
-                out_headers = forward_headers(upstream.headers.items())
-                upstream.release()
-                failure = self._failed(backend, upstream.status, est, body, upstream.headers)
-                failure.body, failure.headers = body, out_headers
+                failure = self._failed(backend, head.status, est, body, head.header_map())
+                failure.body, failure.headers = body, forward_headers(head.headers)
                 finished = True
                 return failure
-            resp = web.StreamResponse(status=200, headers=_response_headers(upstream, backend, route))
-            if upstream.content_length is not None and "chunked" not in upstream.headers.get("Transfer-Encoding", ""):
-                resp.content_length = upstream.content_length
+            out_headers = forward_headers(head.headers)
+            out_headers.append((BACKEND_HEADER, backend.name))
+            out_headers.append((ROUTE_HEADER, route))
+            resp = web.StreamResponse(status=200, headers=out_headers)
+            if head.content_length is not None:
+                resp.content_length = head.content_length
             await resp.prepare(request)
-            content = upstream.content
+            on_first = self._first_token_hook(backend, est, sent_at) if stream else None
+            relay = _Relay(request.transport, resp.headers.get("Transfer-Encoding", "") == "chunked", conn, on_first)
+            conn.stream_body(relay)
             while True:
                 try:
-                    chunk = await content.readany()
-                except asyncio.TimeoutError:
-                    self._end(backend, TIMEOUT, est, first_at is not None)
+                    ended = await conn.wait_body()
+                except UpstreamTimeout:
+                    self._end(backend, TIMEOUT, est, relay.first_at is not None)
                     finished = True
                     _abort_client(request)
                     self._log(request, model, 200, backend, attempt, reason + "; upstream went silent", route, started,
-                              first_at, size, "timeout")
+                              relay.first_at, relay.size, "timeout")
                     return resp
-                except aiohttp.ClientError as exc:
-                    log.info("%s: stream broke after %d bytes: %s", backend.name, size, exc)
-                    self._end(backend, 502, est, first_at is not None)
+                except UpstreamError as exc:
+                    if relay.client_gone:
+                        break
+                    log.info("%s: stream broke after %d bytes: %s", backend.name, relay.size, exc)
+                    self._end(backend, 502, est, relay.first_at is not None)
                     finished = True
                     _abort_client(request)
                     self._log(request, model, 200, backend, attempt, reason + "; upstream broke mid-stream", route, started,
-                              first_at, size, "server_5xx")
+                              relay.first_at, relay.size, "server_5xx")
                     return resp
-                if not chunk:
+                if ended or relay.client_gone:
                     break
-                if first_at is None:
-                    first_at = time.perf_counter()
-                    if stream:
-                        ttft = first_at - sent_at
-                        balancer.on_first_token(backend, ttft, est)
-                        self.metrics.ttft.labels(backend.name).observe(ttft)
-                size += len(chunk)
-                try:
-                    await resp.write(chunk)
-                except (ConnectionError, RuntimeError):
-                    self._client_gone(backend, est, stream and first_at is not None)
-                    finished = True
-                    self._log(request, model, CLIENT_CLOSED, backend, attempt, reason + "; client went away", route, started,
-                              first_at, size, "client_closed")
-                    return resp
-            self._end(backend, 200, est, stream and first_at is not None)
+                # Paused: the client reads slower than the backend writes; resume once its buffer drained.
+                transport = request.transport
+                while transport is not None and not transport.is_closing() and \
+                        transport.get_write_buffer_size() > _LOW_WATER:
+                    await asyncio.sleep(0.005)
+                conn.resume()
+            if relay.client_gone:
+                conn.close()
+                self._client_gone(backend, est, stream and relay.first_at is not None)
+                finished = True
+                self._log(request, model, CLIENT_CLOSED, backend, attempt, reason + "; client went away", route, started,
+                          relay.first_at, relay.size, "client_closed")
+                return resp
+            self._end(backend, 200, est, stream and relay.first_at is not None)
             finished = True
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await resp.write_eof()
-            self._log(request, model, 200, backend, attempt, reason, route, started, first_at, size, "ok")
+            self._log(request, model, 200, backend, attempt, reason, route, started, relay.first_at, relay.size, "ok")
             return resp
         except asyncio.CancelledError:
             # The client hung up (aiohttp cancelled this handler): cancel upstream, then tell the balancer.
-            if upstream is not None:
-                upstream.close()
+            if conn is not None:
+                conn.close()
             if not finished:
+                first_at = relay.first_at if relay is not None else None
                 self._client_gone(backend, est, stream and first_at is not None)
                 finished = True
                 self._log(request, model, CLIENT_CLOSED, backend, attempt, reason + "; client went away", route, started,
-                          first_at, size, "client_closed")
+                          first_at, relay.size if relay is not None else 0, "client_closed")
             raise
         finally:
-            if upstream is not None and not upstream.closed:
-                if finished and upstream.content.is_eof():
-                    upstream.release()  # fully read: back to the pool
+            if conn is not None:
+                if finished:
+                    pool.release(conn)  # reused only if its answer was read to the end
                 else:
-                    upstream.close()  # unread body: the connection cannot be reused
+                    conn.close()
+
+    def _first_token_hook(self, backend: Backend, est: int, sent_at: float) -> Any:
+        """What the first streamed chunk triggers, after it was written to the client: TTFT to the balancer."""
+        balancer = self.balancer
+        histogram = self.metrics.ttft.labels(backend.name)
+
+        def on_first(first_at: float) -> None:
+            ttft = first_at - sent_at
+            balancer.on_first_token(backend, ttft, est)
+            histogram.observe(ttft)
+
+        return on_first
 
     # ----------------------------------------------------------------- feedback
 
@@ -494,11 +547,55 @@ class Gateway:
                 await asyncio.wait_for(self._stop.wait(), 30.0)
 
 
-def _response_headers(upstream: aiohttp.ClientResponse, backend: Backend, route: str) -> list[tuple[str, str]]:
-    out = forward_headers(upstream.headers.items())
-    out.append((BACKEND_HEADER, backend.name))
-    out.append((ROUTE_HEADER, route))
-    return out
+class _Relay:
+    """Writes a 200's body to the client as it arrives: called from the backend connection's ``data_received``.
+
+    Writing in the same event-loop turn that read the bytes is what keeps the
+    gateway's added time to first token small (no task wake-up per chunk).
+    The client side is framed as aiohttp prepared it: chunked (each piece one
+    chunk; aiohttp's ``write_eof`` writes the last) or raw bytes under a
+    Content-Length. A client gone, or a full client buffer, is handled here and
+    by the handler: the upstream connection is closed (the cancel), or paused.
+    """
+
+    __slots__ = ("chunked", "client_gone", "conn", "first_at", "on_first", "size", "transport")
+
+    def __init__(self, transport: asyncio.BaseTransport | None, chunked: bool, conn: UpstreamConnection,
+                 on_first: Any) -> None:
+        self.transport = transport
+        self.chunked = chunked
+        self.conn = conn
+        self.on_first = on_first
+        self.first_at: float | None = None
+        self.size = 0
+        self.client_gone = False
+
+    def __call__(self, pieces: list[bytes]) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            self.client_gone = True
+            self.conn.close()  # the cancel: the engine aborts a request whose connection went away
+            return
+        first = self.first_at is None
+        if first:
+            self.first_at = time.perf_counter()
+        if self.chunked:
+            frames: list[bytes] = []
+            for piece in pieces:
+                frames += (b"%x\r\n" % len(piece), piece, b"\r\n")
+                self.size += len(piece)
+            transport.write(b"".join(frames))  # type: ignore[attr-defined]
+        else:
+            for piece in pieces:
+                self.size += len(piece)
+            transport.write(pieces[0] if len(pieces) == 1 else b"".join(pieces))  # type: ignore[attr-defined]
+        if first and self.on_first is not None:
+            try:
+                self.on_first(self.first_at)
+            except Exception:  # noqa: BLE001 - bookkeeping must not break the stream
+                log.exception("first-token bookkeeping failed")
+        if transport.get_write_buffer_size() > _HIGH_WATER:  # type: ignore[attr-defined]
+            self.conn.pause()
 
 
 def _abort_client(request: web.Request) -> None:
@@ -510,15 +607,3 @@ def _abort_client(request: web.Request) -> None:
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
     return web.json_response({"object": "error", "type": kind, "code": status, "message": message}, status=status)
-
-
-async def _read_capped(stream: Any, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while size < limit:
-        chunk = await stream.readany()
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)[:limit]
