@@ -276,7 +276,7 @@ class Gateway:
                 if not why.retry:
                     return await self._pass_failure(request, failure, started, len(tried), f"{reason}; not retried: {why.why}")
                 cls = result.classification.response_class.value
-                metrics.retries.labels(cls).inc()
+                metrics.child(metrics.retries, cls).inc()
                 reason = f"retry after {cls} from {backend.name}"
                 if why.delay_seconds > 0:
                     await asyncio.sleep(why.delay_seconds)
@@ -324,8 +324,8 @@ class Gateway:
                 conn.send(self._request_bytes(backend, request.path, headers, raw), cfg.idle_timeout_seconds,
                           asyncio.get_running_loop().time() + cfg.request_timeout_seconds)
                 metrics = self.metrics
-                metrics.decision.labels(backend.name).observe(decision)
-                metrics.picks.labels(backend.name).inc()
+                metrics.child(metrics.decision, backend.name).observe(decision)
+                metrics.child(metrics.picks, backend.name).inc()
                 route = f"score={balancer.score(backend):.1f}; load={balancer.load(backend):.1f}; attempt={attempt}"
                 head = await conn.read_head()
             except UpstreamTimeout:
@@ -418,7 +418,7 @@ class Gateway:
     def _first_token_hook(self, backend: Backend, est: int, sent_at: float) -> Any:
         """What the first streamed chunk triggers, after it was written to the client: TTFT to the balancer."""
         balancer = self.balancer
-        histogram = self.metrics.ttft.labels(backend.name)
+        histogram = self.metrics.child(self.metrics.ttft, backend.name)
 
         def on_first(first_at: float) -> None:
             ttft = first_at - sent_at
@@ -437,7 +437,7 @@ class Gateway:
     def _end(self, backend: Backend, status: int | str, est: int, first_token_seen: bool, body: bytes | None = None,
              headers: Any = None) -> Classification:
         cls = self.balancer.on_finish(backend, status, body, headers, first_token_seen=first_token_seen, prompt_tokens=est)
-        self.metrics.responses.labels(backend.name, cls.response_class.value).inc()
+        self.metrics.child(self.metrics.responses, backend.name, cls.response_class.value).inc()
         return cls
 
     def _client_gone(self, backend: Backend, est: int, first_token_seen: bool) -> None:
@@ -470,7 +470,7 @@ class Gateway:
     def _log(self, request: web.Request, model: str | None, status: int, backend: Backend | None, attempts: int, reason: str,
              route: str, started: float, first_at: float | None, size: int, outcome: str) -> None:
         """One access-log line and the ``requests{endpoint, class}`` count (``outcome`` is the class)."""
-        self.metrics.requests.labels(request.path, outcome).inc()
+        self.metrics.child(self.metrics.requests, request.path, outcome).inc()
         if self._access is None:
             return
         now = time.perf_counter()
