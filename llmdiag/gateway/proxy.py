@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import sys
@@ -48,7 +49,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmdiag.config.engine import EngineConfig
@@ -64,6 +64,7 @@ from llmdiag.gateway.engine_signals import EngineSignals
 from llmdiag.gateway.metrics import GatewayMetrics
 from llmdiag.gateway.mirror import Mirror
 from llmdiag.gateway.request import BadRequest, forward_headers, forward_raw_headers, parse_request
+from llmdiag.gateway.server import Exchange, HttpServer
 from llmdiag.gateway.upstream import (ConnectFailed, UpstreamConnection, UpstreamError, UpstreamPool,
                                       UpstreamTimeout)
 
@@ -135,7 +136,10 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self._pool: UpstreamPool | None = None
         self._targets: dict[str, tuple[bytes, bytes]] = {}  # backend URL -> (Host header line, path prefix)
-        self._runner: web.AppRunner | None = None
+        self._server: HttpServer | None = None
+        self._routes = {"/v1/chat/completions": ("POST", self._completions), "/v1/completions": ("POST", self._completions),
+                        "/v1/models": ("GET", self._models), "/metrics": ("GET", self._metrics),
+                        "/healthz": ("GET", self._healthz)}
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._probes: ProbeRunner | None = None
@@ -147,14 +151,15 @@ class Gateway:
 
     # --------------------------------------------------------------- lifecycle
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_request_bytes)
-        app.router.add_post("/v1/chat/completions", self._completions)
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/healthz", self._healthz)
-        return app
+    def dispatch(self, exchange: Exchange) -> Any:
+        """The coroutine answering one client request (:class:`~llmdiag.gateway.server.Handler`)."""
+        route = self._routes.get(exchange.path)
+        if route is None:
+            return self._local(exchange, _error(404, f"no route for {exchange.path}", "not_found"))
+        method, handler = route
+        if exchange.method != method:
+            return self._local(exchange, _error(405, f"{exchange.path} takes {method}", "method_not_allowed"))
+        return handler(exchange)
 
     async def start(self) -> None:
         cfg = self.config
@@ -173,15 +178,11 @@ class Gateway:
         if cfg.mirror_url:
             self.mirror = Mirror(cfg.mirror_url, cfg.mirror_fraction, cfg.mirror_max_in_flight, self._session,
                                  cfg.request_timeout_seconds, self._rng, self.metrics.mirrored)
-        # handler_cancellation: a client that hangs up cancels its handler at once, so the upstream
-        # request is cancelled even while the engine has not answered anything yet.
-        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
-        await site.start()
-        server = site._server  # aiohttp exposes the bound port only here
-        if server is not None and server.sockets:  # type: ignore[union-attr]
-            self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        # A client that hangs up cancels its request's task at once (llmdiag.gateway.server), so the
+        # upstream request is cancelled even while the engine has not answered anything yet.
+        self._server = HttpServer(self, max_body_bytes=cfg.max_request_bytes, keepalive_seconds=cfg.keepalive_seconds)
+        await self._server.start(self.host, self.port)
+        self.port = self._server.port
         self._stop.clear()
         if self.agents is not None:
             self._tasks.append(asyncio.create_task(self.agents.run(self._session, self.balancer, self._stop)))
@@ -205,9 +206,9 @@ class Gateway:
         self._tasks = []
         if self.mirror is not None:
             await self.mirror.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+            self._server = None
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
@@ -226,27 +227,28 @@ class Gateway:
 
     # ---------------------------------------------------------------- handlers
 
-    async def _healthz(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok\n")
+    async def _local(self, exchange: Exchange, answer: _Answer) -> None:
+        exchange.respond(answer.status, answer.body)
 
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def _healthz(self, exchange: Exchange) -> None:
+        exchange.respond(200, b"ok\n", content_type="text/plain; charset=utf-8")
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
+    async def _metrics(self, exchange: Exchange) -> None:
+        exchange.respond(200, generate_latest(self.metrics.registry), content_type=CONTENT_TYPE_LATEST)
+
+    async def _completions(self, exchange: Exchange) -> None:
         cfg = self.config
-        endpoint = request.path
+        endpoint = exchange.path
         started = time.perf_counter()
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return self._finish_local(request, started, _error(413, f"request body larger than {cfg.max_request_bytes} bytes"))
+        raw = exchange.body
         try:
             routed = parse_request(raw, cfg.chars_per_token)
         except BadRequest as exc:
-            return self._finish_local(request, started, _error(400, str(exc)))
-        headers = forward_raw_headers(request.raw_headers)
+            return self._finish_local(exchange, started, _error(400, str(exc)))
+        headers = forward_raw_headers(exchange.headers)
         if self.mirror is not None:
-            self.mirror.maybe(endpoint, raw, forward_headers(request.headers.items()))
+            self.mirror.maybe(endpoint, raw, forward_headers((k.decode("latin-1"), v.decode("latin-1"))
+                                                             for k, v in exchange.headers))
         tried: list[str] = []
         failure: _Failure | None = None
         reason = "pick"
@@ -260,21 +262,21 @@ class Gateway:
                 except NoBackendAvailable as exc:
                     metrics.no_backend.inc()
                     if failure is not None:  # retries ran out of backends: the client gets the last answer
-                        return await self._pass_failure(request, failure, started, len(tried), f"{reason}; {exc}")
+                        return await self._pass_failure(exchange, failure, started, len(tried), f"{reason}; {exc}")
                     if routed.model is not None and not self._anyone_serves(routed.model):
-                        return self._finish_local(request, started, _error(
+                        return self._finish_local(exchange, started, _error(
                             404, f"The model `{routed.model}` does not exist.", "model_not_found"), routed.model)
-                    return self._finish_local(request, started, _error(503, str(exc), "no_backend_available"), routed.model)
+                    return self._finish_local(exchange, started, _error(503, str(exc), "no_backend_available"), routed.model)
                 decision = time.perf_counter() - t0
                 tried.append(backend.name)
-                result = await self._attempt(request, backend, routed.stream, routed.est_prompt_tokens, raw, headers,
+                result = await self._attempt(exchange, backend, routed.stream, routed.est_prompt_tokens, raw, headers,
                                              len(tried), reason, started, routed.model, decision)
                 if not isinstance(result, _Failure):
-                    return result
+                    return None
                 failure = result
                 why = self._retry.decide(len(tried), result.classification, result.status, first_byte_sent=False)
                 if not why.retry:
-                    return await self._pass_failure(request, failure, started, len(tried), f"{reason}; not retried: {why.why}")
+                    return await self._pass_failure(exchange, failure, started, len(tried), f"{reason}; not retried: {why.why}")
                 cls = result.classification.response_class.value
                 metrics.child(metrics.retries, cls).inc()
                 reason = f"retry after {cls} from {backend.name}"
@@ -287,7 +289,7 @@ class Gateway:
         """Whether any backend (eligible or not) serves ``model``; backends without a model list serve anything."""
         return any(not b.models or model in b.models for b in self.balancer.backends)
 
-    def _request_bytes(self, backend: Backend, path: str, headers: bytes, raw: bytes) -> bytes:
+    def _request_bytes(self, backend: Backend, path: str, query: str, headers: bytes, raw: bytes) -> bytes:
         """The upstream request, head and body in one piece (one write, one segment on the wire)."""
         target = self._targets.get(backend.url)
         if target is None:
@@ -298,12 +300,13 @@ class Gateway:
             netloc = host if parts.port in (None, default) else f"{host}:{parts.port}"
             target = self._targets[backend.url] = (f"Host: {netloc}\r\n".encode(), parts.path.rstrip("/").encode())
         host_line, prefix = target
-        return b"".join((b"POST ", prefix, path.encode(), b" HTTP/1.1\r\n", host_line, headers,
+        target = f"{path}?{query}" if query else path
+        return b"".join((b"POST ", prefix, target.encode("utf-8", "surrogateescape"), b" HTTP/1.1\r\n", host_line, headers,
                          b"Content-Length: %d\r\n\r\n" % len(raw), raw))
 
-    async def _attempt(self, request: web.Request, backend: Backend, stream: bool, est: int, raw: bytes,
+    async def _attempt(self, exchange: Exchange, backend: Backend, stream: bool, est: int, raw: bytes,
                        headers: bytes, attempt: int, reason: str, started: float, model: str | None,
-                       decision: float) -> web.StreamResponse | _Failure:
+                       decision: float) -> _Failure | None:
         """One upstream exchange; a :class:`_Failure` when nothing reached the client (retry candidate).
 
         Order matters for TTFT: the request goes upstream first, and the
@@ -321,8 +324,8 @@ class Gateway:
             try:
                 conn = await pool.acquire(backend.url)
                 sent_at = time.perf_counter()
-                conn.send(self._request_bytes(backend, request.path, headers, raw), cfg.idle_timeout_seconds,
-                          asyncio.get_running_loop().time() + cfg.request_timeout_seconds)
+                conn.send(self._request_bytes(backend, exchange.path, exchange.query, headers, raw),
+                          cfg.idle_timeout_seconds, asyncio.get_running_loop().time() + cfg.request_timeout_seconds)
                 metrics = self.metrics
                 metrics.child(metrics.decision, backend.name).observe(decision)
                 metrics.child(metrics.picks, backend.name).inc()
@@ -349,12 +352,8 @@ class Gateway:
             out_headers = forward_headers(head.headers)
             out_headers.append((BACKEND_HEADER, backend.name))
             out_headers.append((ROUTE_HEADER, route))
-            resp = web.StreamResponse(status=200, headers=out_headers)
-            if head.content_length is not None:
-                resp.content_length = head.content_length
-            await resp.prepare(request)
-            on_first = self._first_token_hook(backend, est, sent_at) if stream else None
-            relay = _Relay(request.transport, resp.headers.get("Transfer-Encoding", "") == "chunked", conn, on_first)
+            exchange.start(200, out_headers, head.content_length)
+            relay = _Relay(exchange, conn, self._first_token_hook(backend, est, sent_at) if stream else None)
             conn.stream_body(relay)
             while True:
                 try:
@@ -362,50 +361,47 @@ class Gateway:
                 except UpstreamTimeout:
                     self._end(backend, TIMEOUT, est, relay.first_at is not None)
                     finished = True
-                    _abort_client(request)
-                    self._log(request, model, 200, backend, attempt, reason + "; upstream went silent", route, started,
+                    exchange.abort()
+                    self._log(exchange, model, 200, backend, attempt, reason + "; upstream went silent", route, started,
                               relay.first_at, relay.size, "timeout")
-                    return resp
+                    return None
                 except UpstreamError as exc:
                     if relay.client_gone:
                         break
                     log.info("%s: stream broke after %d bytes: %s", backend.name, relay.size, exc)
                     self._end(backend, 502, est, relay.first_at is not None)
                     finished = True
-                    _abort_client(request)
-                    self._log(request, model, 200, backend, attempt, reason + "; upstream broke mid-stream", route, started,
+                    exchange.abort()
+                    self._log(exchange, model, 200, backend, attempt, reason + "; upstream broke mid-stream", route, started,
                               relay.first_at, relay.size, "server_5xx")
-                    return resp
+                    return None
                 if ended or relay.client_gone:
                     break
                 # Paused: the client reads slower than the backend writes; resume once its buffer drained.
-                transport = request.transport
-                while transport is not None and not transport.is_closing() and \
-                        transport.get_write_buffer_size() > _LOW_WATER:
+                while (transport := exchange.transport) is not None and transport.get_write_buffer_size() > _LOW_WATER:
                     await asyncio.sleep(0.005)
                 conn.resume()
             if relay.client_gone:
                 conn.close()
                 self._client_gone(backend, est, stream and relay.first_at is not None)
                 finished = True
-                self._log(request, model, CLIENT_CLOSED, backend, attempt, reason + "; client went away", route, started,
+                self._log(exchange, model, CLIENT_CLOSED, backend, attempt, reason + "; client went away", route, started,
                           relay.first_at, relay.size, "client_closed")
-                return resp
+                return None
             self._end(backend, 200, est, stream and relay.first_at is not None)
             finished = True
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                await resp.write_eof()
-            self._log(request, model, 200, backend, attempt, reason, route, started, relay.first_at, relay.size, "ok")
-            return resp
+            exchange.end()
+            self._log(exchange, model, 200, backend, attempt, reason, route, started, relay.first_at, relay.size, "ok")
+            return None
         except asyncio.CancelledError:
-            # The client hung up (aiohttp cancelled this handler): cancel upstream, then tell the balancer.
+            # The client hung up (the server cancelled this task): cancel upstream, then tell the balancer.
             if conn is not None:
                 conn.close()
             if not finished:
                 first_at = relay.first_at if relay is not None else None
                 self._client_gone(backend, est, stream and first_at is not None)
                 finished = True
-                self._log(request, model, CLIENT_CLOSED, backend, attempt, reason + "; client went away", route, started,
+                self._log(exchange, model, CLIENT_CLOSED, backend, attempt, reason + "; client went away", route, started,
                           first_at, relay.size if relay is not None else 0, "client_closed")
             raise
         finally:
@@ -446,44 +442,47 @@ class Gateway:
 
     # ----------------------------------------------------------------- answers
 
-    async def _pass_failure(self, request: web.Request, failure: _Failure, started: float, attempts: int,
-                            reason: str) -> web.StreamResponse:
+    async def _pass_failure(self, exchange: Exchange, failure: _Failure, started: float, attempts: int,
+                            reason: str) -> None:
         status = failure.status if isinstance(failure.status, int) else (504 if failure.status == TIMEOUT else 502)
+        extra = [(BACKEND_HEADER, failure.backend.name), (ROUTE_HEADER, f"attempt={attempts}")]
         if failure.body:  # the backend's own answer, as it sent it
-            resp = web.Response(status=status, body=failure.body)
-            for k, v in failure.headers:
-                resp.headers.add(k, v)
+            exchange.start(status, [*failure.headers, *extra], len(failure.body))
+            exchange.write([failure.body])
+            exchange.end()
         else:
             what = {TIMEOUT: "timed out", CONNECT_ERROR: "could not be reached"}.get(
                 failure.status if isinstance(failure.status, str) else "", f"answered {status} without a body")
-            resp = _error(status, f"backend {failure.backend.name} {what}", "upstream_error")
-        resp.headers[BACKEND_HEADER] = failure.backend.name
-        resp.headers[ROUTE_HEADER] = f"attempt={attempts}"
+            answer = _error(status, f"backend {failure.backend.name} {what}", "upstream_error")
+            exchange.respond(answer.status, answer.body, extra)
         cls = failure.classification.response_class.value
-        self._log(request, None, status, failure.backend, attempts, reason, f"class={cls}", started, None, len(failure.body), cls)
-        return resp
+        self._log(exchange, None, status, failure.backend, attempts, reason, f"class={cls}", started, None, len(failure.body), cls)
 
-    def _finish_local(self, request: web.Request, started: float, resp: web.Response, model: str | None = None) -> web.Response:
-        self._log(request, model, resp.status, None, 0, "answered by the gateway", "", started, None, 0, f"gateway_{resp.status}")
-        return resp
+    def _finish_local(self, exchange: Exchange, started: float, answer: _Answer, model: str | None = None) -> None:
+        exchange.respond(answer.status, answer.body)
+        self._log(exchange, model, answer.status, None, 0, "answered by the gateway", "", started, None, 0,
+                  f"gateway_{answer.status}")
 
-    def _log(self, request: web.Request, model: str | None, status: int, backend: Backend | None, attempts: int, reason: str,
+    def _log(self, exchange: Exchange, model: str | None, status: int, backend: Backend | None, attempts: int, reason: str,
              route: str, started: float, first_at: float | None, size: int, outcome: str) -> None:
-        """One access-log line and the ``requests{endpoint, class}`` count (``outcome`` is the class)."""
-        self.metrics.child(self.metrics.requests, request.path, outcome).inc()
+        """One access-log line and the ``requests{endpoint, class}`` count (``outcome`` is the class).
+
+        Runs after the answer's last byte (or its failure): never before the first token.
+        """
+        self.metrics.child(self.metrics.requests, exchange.path, outcome).inc()
         if self._access is None:
             return
         now = time.perf_counter()
         ttft = f"{(first_at - started) * 1000:.1f}" if first_at is not None else "-"
         self._access.info('%s "%s %s" %s model=%s backend=%s %s reason="%s" ttft_ms=%s duration_ms=%.1f bytes=%d',
-                          request.remote, request.method, request.path, status, model or "-",
+                          exchange.remote, exchange.method, exchange.path, status, model or "-",
                           backend.name if backend else "-", route or "-", reason, ttft, (now - started) * 1000, size)
 
     # ------------------------------------------------------------------ models
 
-    async def _models(self, request: web.Request) -> web.Response:
+    async def _models(self, exchange: Exchange) -> None:
         data = await self.models()
-        return web.json_response({"object": "list", "data": data})
+        exchange.respond(200, json.dumps({"object": "list", "data": data}).encode())
 
     async def models(self, max_age: float | None = None) -> list[dict[str, Any]]:
         """``/v1/models`` of every backend, merged by id (first answer wins), cached ``models_cache_seconds``."""
@@ -551,19 +550,16 @@ class _Relay:
     """Writes a 200's body to the client as it arrives: called from the backend connection's ``data_received``.
 
     Writing in the same event-loop turn that read the bytes is what keeps the
-    gateway's added time to first token small (no task wake-up per chunk).
-    The client side is framed as aiohttp prepared it: chunked (each piece one
-    chunk; aiohttp's ``write_eof`` writes the last) or raw bytes under a
-    Content-Length. A client gone, or a full client buffer, is handled here and
-    by the handler: the upstream connection is closed (the cancel), or paused.
+    gateway's added time to first token small (no task wake-up per chunk). A
+    client gone closes the upstream connection (the cancel); a client buffer
+    over the high-water mark pauses reading from the backend (the handler
+    resumes it once the client drained).
     """
 
-    __slots__ = ("chunked", "client_gone", "conn", "first_at", "on_first", "size", "transport")
+    __slots__ = ("client_gone", "conn", "exchange", "first_at", "on_first", "size")
 
-    def __init__(self, transport: asyncio.BaseTransport | None, chunked: bool, conn: UpstreamConnection,
-                 on_first: Any) -> None:
-        self.transport = transport
-        self.chunked = chunked
+    def __init__(self, exchange: Exchange, conn: UpstreamConnection, on_first: Any) -> None:
+        self.exchange = exchange
         self.conn = conn
         self.on_first = on_first
         self.first_at: float | None = None
@@ -571,39 +567,30 @@ class _Relay:
         self.client_gone = False
 
     def __call__(self, pieces: list[bytes]) -> None:
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            self.client_gone = True
-            self.conn.close()  # the cancel: the engine aborts a request whose connection went away
-            return
         first = self.first_at is None
         if first:
             self.first_at = time.perf_counter()
-        if self.chunked:
-            frames: list[bytes] = []
-            for piece in pieces:
-                frames += (b"%x\r\n" % len(piece), piece, b"\r\n")
-                self.size += len(piece)
-            transport.write(b"".join(frames))  # type: ignore[attr-defined]
-        else:
-            for piece in pieces:
-                self.size += len(piece)
-            transport.write(pieces[0] if len(pieces) == 1 else b"".join(pieces))  # type: ignore[attr-defined]
+        buffered = self.exchange.write(pieces)
+        if buffered < 0:
+            self.client_gone = True
+            self.conn.close()  # the cancel: the engine aborts a request whose connection went away
+            return
+        for piece in pieces:
+            self.size += len(piece)
         if first and self.on_first is not None:
             try:
                 self.on_first(self.first_at)
             except Exception:  # noqa: BLE001 - bookkeeping must not break the stream
                 log.exception("first-token bookkeeping failed")
-        if transport.get_write_buffer_size() > _HIGH_WATER:  # type: ignore[attr-defined]
+        if buffered > _HIGH_WATER:
             self.conn.pause()
 
 
-def _abort_client(request: web.Request) -> None:
-    """End the client's connection without a clean end of body, so a truncated stream reads as one."""
-    transport = request.transport
-    if transport is not None:
-        transport.close()
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    status: int
+    body: bytes
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"object": "error", "type": kind, "code": status, "message": message}, status=status)
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> _Answer:
+    return _Answer(status, json.dumps({"object": "error", "type": kind, "code": status, "message": message}).encode())

@@ -36,19 +36,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from llmdiag.gateway.chunked import ChunkedDecoder, ChunkedError
+
 __all__ = ["ConnectFailed", "ProtocolError", "ResponseHead", "UpstreamConnection", "UpstreamError", "UpstreamPool",
            "UpstreamTimeout"]
 
 #: Longest response head (status line and headers) accepted from a backend.
 MAX_HEAD_BYTES = 64 * 1024
-#: Longest chunk-size line (hex digits plus extensions).
-_MAX_CHUNK_LINE = 4096
-_HEX_DIGITS = b"0123456789abcdefABCDEF"
 
 # Connection states.
 _IDLE, _HEAD, _BODY, _DONE, _CLOSED = range(5)
-# Chunked decoder states: size line, data, CRLF after data, trailer lines.
-_C_SIZE, _C_DATA, _C_CRLF, _C_TRAILER = range(4)
 
 
 class UpstreamError(Exception):
@@ -144,8 +141,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._error: UpstreamError | None = None
         self._got_bytes = False
         # Body framing
-        self._remaining = 0  # Content-Length left, or the current chunk's bytes left
-        self._chunk_state = _C_SIZE
+        self._remaining = 0  # Content-Length left
+        self._chunks: ChunkedDecoder | None = None
         self._pending: list[bytes] = []
         self._sink: Callable[[list[bytes]], None] | None = None
         self._extra_bytes = False
@@ -229,7 +226,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._got_bytes = False
         self._pending = []
         self._sink = None
-        self._chunk_state = _C_SIZE
+        self._chunks = None
         self._remaining = 0
         self._idle_timeout = idle_timeout
         self._deadline = deadline
@@ -332,7 +329,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._head = head
             self._state = _BODY
             if head.chunked:
-                self._chunk_state = _C_SIZE
+                self._chunks = ChunkedDecoder()
             elif head.content_length is not None:
                 self._remaining = head.content_length
             if head.status in (204, 304) or head.content_length == 0:
@@ -349,8 +346,15 @@ class UpstreamConnection(asyncio.Protocol):
     def _body(self, data: bytes) -> None:
         head = self._head
         assert head is not None
-        if head.chunked:
-            pieces = self._dechunk(data)
+        if self._chunks is not None:
+            try:
+                pieces = self._chunks.feed(data)
+            except ChunkedError as exc:
+                self._protocol_error(str(exc))
+                return
+            if self._chunks.done:
+                self._state = _DONE
+                self._extra_bytes = self._extra_bytes or self._chunks.extra > 0
         elif head.content_length is not None:
             take = self._remaining
             if len(data) > take:
@@ -369,62 +373,6 @@ class UpstreamConnection(asyncio.Protocol):
                 self._pending.extend(pieces)
         if self._state == _DONE:
             self._finish()
-
-    def _dechunk(self, data: bytes) -> list[bytes]:
-        """RFC 9112 7.1: size line (hex, optional extensions), data, CRLF; a 0 size, trailers, blank line."""
-        pieces: list[bytes] = []
-        buf = self._buf
-        if buf:
-            buf += data
-            data = bytes(buf)
-            buf.clear()
-        pos, n = 0, len(data)
-        while pos < n and self._state == _BODY:
-            st = self._chunk_state
-            if st == _C_DATA:
-                take = min(self._remaining, n - pos)
-                pieces.append(data[pos:pos + take])
-                pos += take
-                self._remaining -= take
-                if self._remaining == 0:
-                    self._chunk_state = _C_CRLF
-            elif st == _C_CRLF:
-                if n - pos < 2:
-                    break
-                if data[pos:pos + 2] != b"\r\n":
-                    self._protocol_error("chunk data not followed by CRLF")
-                    return pieces
-                pos += 2
-                self._chunk_state = _C_SIZE
-            else:
-                eol = data.find(b"\r\n", pos)
-                if eol < 0:
-                    if n - pos > _MAX_CHUNK_LINE:
-                        self._protocol_error("chunk size line too long")
-                        return pieces
-                    break
-                line = data[pos:eol]
-                pos = eol + 2
-                if st == _C_TRAILER:
-                    if not line:
-                        self._state = _DONE
-                        if pos < n:
-                            self._extra_bytes = True
-                    continue
-                size_text = line.split(b";", 1)[0].strip(b" \t")
-                # int(x, 16) also takes "0x", "+", "_": only plain hex digits are a chunk size.
-                if not size_text or size_text.lstrip(_HEX_DIGITS) or len(size_text) > 16:
-                    self._protocol_error(f"bad chunk size {bytes(line[:40])!r}")
-                    return pieces
-                size = int(size_text, 16)
-                if size == 0:
-                    self._chunk_state = _C_TRAILER
-                else:
-                    self._remaining = size
-                    self._chunk_state = _C_DATA
-        if pos < n and self._state == _BODY:
-            buf += data[pos:]  # a partial size line or CRLF, completed by the next read
-        return pieces
 
     def _protocol_error(self, why: str) -> None:
         self._fail(ProtocolError(why))
