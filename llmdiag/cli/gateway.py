@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import signal
 import sys
 from typing import Any
@@ -66,6 +67,10 @@ def handle(args: argparse.Namespace, config: Config) -> int:
 
     async def serve() -> None:
         await gateway.start()
+        # Everything alive now (modules, config, the app) lives as long as the process: take it out of
+        # the cyclic GC's view, so a full collection does not walk it again and again mid-request.
+        gc.collect()
+        gc.freeze()
         names = ", ".join(b.name for b in backends)
         print(f"llmdiag gateway on {gateway.url} ({loop_name}) -> {names}"
               + (f"; penalties from {len(gw_config.agents)} agent(s)" if gw_config.agents else "")

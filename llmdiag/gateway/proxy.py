@@ -63,7 +63,7 @@ from llmdiag.router_feedback.retry import RetryPolicy
 from llmdiag.gateway.engine_signals import EngineSignals
 from llmdiag.gateway.metrics import GatewayMetrics
 from llmdiag.gateway.mirror import Mirror
-from llmdiag.gateway.request import BadRequest, forward_headers, forward_raw_headers, parse_request
+from llmdiag.gateway.request import BadRequest, RoutedRequest, forward_headers, forward_raw_headers, parse_request
 from llmdiag.gateway.server import Exchange, HttpServer
 from llmdiag.gateway.upstream import (ConnectFailed, UpstreamConnection, UpstreamError, UpstreamPool,
                                       UpstreamTimeout)
@@ -236,29 +236,56 @@ class Gateway:
     async def _metrics(self, exchange: Exchange) -> None:
         exchange.respond(200, generate_latest(self.metrics.registry), content_type=CONTENT_TYPE_LATEST)
 
-    async def _completions(self, exchange: Exchange) -> None:
+    def _completions(self, exchange: Exchange) -> Any:
+        """Runs in the server's ``data_received``: parse, pick, and send upstream at once when a pooled
+        connection to the pick is idle (the common case), so the request leaves in the same event-loop
+        turn that read it; then the coroutine that waits for the answer (run as the request's task)."""
         cfg = self.config
-        endpoint = exchange.path
         started = time.perf_counter()
         raw = exchange.body
         try:
             routed = parse_request(raw, cfg.chars_per_token)
         except BadRequest as exc:
-            return self._finish_local(exchange, started, _error(400, str(exc)))
+            return self._local_logged(exchange, started, _error(400, str(exc)))
         headers = forward_raw_headers(exchange.headers)
+        first: tuple[Backend, float, UpstreamConnection | None, float] | None = None
+        t0 = time.perf_counter()
+        with contextlib.suppress(NoBackendAvailable):  # the coroutine picks again and answers it
+            backend = self.balancer.pick(routed.model, routed.est_prompt_tokens, exclude=())
+            decision = time.perf_counter() - t0
+            conn = self._pool.try_acquire(backend.url) if self._pool is not None else None
+            sent_at = time.perf_counter()
+            if conn is not None:
+                conn.send(self._request_bytes(backend, exchange.path, exchange.query, headers, raw),
+                          cfg.idle_timeout_seconds, asyncio.get_running_loop().time() + cfg.request_timeout_seconds)
+            first = (backend, decision, conn, sent_at)
         if self.mirror is not None:
-            self.mirror.maybe(endpoint, raw, forward_headers((k.decode("latin-1"), v.decode("latin-1"))
-                                                             for k, v in exchange.headers))
+            self.mirror.maybe(exchange.path, raw, forward_headers((k.decode("latin-1"), v.decode("latin-1"))
+                                                                  for k, v in exchange.headers))
+        self.metrics.in_flight.inc()
+        return self._complete(exchange, routed, headers, started, first)
+
+    async def _local_logged(self, exchange: Exchange, started: float, answer: _Answer) -> None:
+        self._finish_local(exchange, started, answer)
+
+    async def _complete(self, exchange: Exchange, routed: RoutedRequest, headers: bytes, started: float,
+                        first: tuple[Backend, float, UpstreamConnection | None, float] | None) -> None:
+        """Attempts (the first one maybe already sent), retries before the first byte, the answer."""
+        raw = exchange.body
         tried: list[str] = []
         failure: _Failure | None = None
         reason = "pick"
         metrics = self.metrics
-        metrics.in_flight.inc()
         try:
             while True:
                 t0 = time.perf_counter()
                 try:
-                    backend = self.balancer.pick(routed.model, routed.est_prompt_tokens, exclude=tried)
+                    if first is not None:
+                        backend, decision, conn, sent_at = first
+                        first = None
+                    else:
+                        backend = self.balancer.pick(routed.model, routed.est_prompt_tokens, exclude=tried)
+                        decision, conn, sent_at = time.perf_counter() - t0, None, 0.0
                 except NoBackendAvailable as exc:
                     metrics.no_backend.inc()
                     if failure is not None:  # retries ran out of backends: the client gets the last answer
@@ -267,10 +294,9 @@ class Gateway:
                         return self._finish_local(exchange, started, _error(
                             404, f"The model `{routed.model}` does not exist.", "model_not_found"), routed.model)
                     return self._finish_local(exchange, started, _error(503, str(exc), "no_backend_available"), routed.model)
-                decision = time.perf_counter() - t0
                 tried.append(backend.name)
                 result = await self._attempt(exchange, backend, routed.stream, routed.est_prompt_tokens, raw, headers,
-                                             len(tried), reason, started, routed.model, decision)
+                                             len(tried), reason, started, routed.model, decision, conn, sent_at)
                 if not isinstance(result, _Failure):
                     return None
                 failure = result
@@ -306,8 +332,10 @@ class Gateway:
 
     async def _attempt(self, exchange: Exchange, backend: Backend, stream: bool, est: int, raw: bytes,
                        headers: bytes, attempt: int, reason: str, started: float, model: str | None,
-                       decision: float) -> _Failure | None:
+                       decision: float, conn: UpstreamConnection | None = None, sent_at: float = 0.0) -> _Failure | None:
         """One upstream exchange; a :class:`_Failure` when nothing reached the client (retry candidate).
+
+        ``conn``: the request was already sent on it, at ``sent_at`` (see :meth:`_completions`).
 
         Order matters for TTFT: the request goes upstream first, and the
         bookkeeping (metrics, the route header) runs while the backend works.
@@ -316,16 +344,16 @@ class Gateway:
         pool = self._pool
         assert pool is not None
         cfg = self.config
-        conn: UpstreamConnection | None = None
         relay: _Relay | None = None
         finished = False
         route = ""
         try:
             try:
-                conn = await pool.acquire(backend.url)
-                sent_at = time.perf_counter()
-                conn.send(self._request_bytes(backend, exchange.path, exchange.query, headers, raw),
-                          cfg.idle_timeout_seconds, asyncio.get_running_loop().time() + cfg.request_timeout_seconds)
+                if conn is None:
+                    conn = await pool.acquire(backend.url)
+                    sent_at = time.perf_counter()
+                    conn.send(self._request_bytes(backend, exchange.path, exchange.query, headers, raw),
+                              cfg.idle_timeout_seconds, asyncio.get_running_loop().time() + cfg.request_timeout_seconds)
                 metrics = self.metrics
                 metrics.child(metrics.decision, backend.name).observe(decision)
                 metrics.child(metrics.picks, backend.name).inc()

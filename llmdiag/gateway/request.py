@@ -101,8 +101,20 @@ def forward_raw_headers(raw_headers: Iterable[tuple[bytes, bytes]], drop: frozen
     """:func:`forward_headers` on the bytes as received, as ``Name: value\\r\\n`` lines ready to send upstream.
 
     Working on the raw bytes sends the client's header bytes unchanged (no
-    decode and re-encode) and costs one join per request.
+    decode and re-encode); one pass and one join per request (it runs before
+    the request goes upstream, so every microsecond is added TTFT).
     """
-    items = raw_headers if isinstance(raw_headers, (list, tuple)) else list(raw_headers)
-    named = {t.strip().lower() for k, v in items if k.lower() == b"connection" for t in v.split(b",")}
-    return b"".join(k + b": " + v + b"\r\n" for k, v in items if k.lower() not in drop and k.lower() not in named)
+    parts: list[bytes] = []
+    named: set[bytes] | None = None
+    for k, v in raw_headers:
+        lk = k.lower()
+        if lk in drop:
+            if lk == b"connection":
+                named = (named or set()) | {t.strip().lower() for t in v.split(b",")}
+            continue
+        parts += (lk, k, v)
+    if named:  # rare: headers the client named in Connection are hop-by-hop too
+        out = [b"%s: %s\r\n" % (parts[i + 1], parts[i + 2]) for i in range(0, len(parts), 3) if parts[i] not in named]
+    else:
+        out = [b"%s: %s\r\n" % (parts[i + 1], parts[i + 2]) for i in range(0, len(parts), 3)]
+    return b"".join(out)

@@ -5,8 +5,9 @@ reaches a handler two event-loop turns after the request's bytes arrived (the
 connection's task wakes, then creates the handler's task), through a request
 object, a router and middlewares; the response goes through a second writer.
 Here a complete request is handed to :meth:`Handler.dispatch` from
-``data_received``, which starts the handler's task at once, and a response is
-head bytes plus body writes straight to the transport. Measured:
+``data_received`` (the gateway sends it upstream right there when a pooled
+connection is idle), and a response is head bytes plus body writes straight to
+the transport. Measured:
 docs/benchmarks.md, "Gateway".
 
 What it does: HTTP/1.1 and 1.0 requests with a Content-Length or chunked body
@@ -39,12 +40,19 @@ _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Al
             429: "Too Many Requests", 431: "Request Header Fields Too Large", 499: "Client Closed Request",
             500: "Internal Server Error", 501: "Not Implemented", 502: "Bad Gateway", 503: "Service Unavailable",
             504: "Gateway Timeout"}
-_TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_INTERNAL_ERROR = b'{"object":"error","type":"internal_error","code":500,"message":"gateway error"}'
+#: RFC 9110 5.6.2 token characters: what a method or a header name may be made of.
+_TOKEN = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 class Handler(Protocol):
     def dispatch(self, exchange: Exchange) -> Any:  # noqa: ANN401 - a coroutine, run as the exchange's task
-        """The coroutine that answers ``exchange`` (it must end with :meth:`Exchange.end` or ``respond``)."""
+        """Called from ``data_received`` once the request is complete; may start work right there.
+
+        Returns the coroutine that answers ``exchange`` (ending with
+        :meth:`Exchange.end` or :meth:`Exchange.respond`); it runs as the
+        request's task, which is cancelled if the client goes away.
+        """
 
 
 class BadHead(ValueError):
@@ -173,6 +181,7 @@ class _ClientConnection(asyncio.Protocol):
         self.remote = "-"
         self._buf = b""
         self._exchange: Exchange | None = None
+        self._running: Exchange | None = None  # the exchange whose task has started
         self._task: asyncio.Task[Any] | None = None
         self._paused = False
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -205,8 +214,8 @@ class _ClientConnection(asyncio.Protocol):
             self._idle_timer.cancel()
             self._idle_timer = None
         task = self._task
-        if task is not None and not task.done():
-            task.cancel()  # the client went away: the handler cancels its upstream request
+        if task is not None and not task.done() and self._running is self._exchange:
+            task.cancel()  # the client went away: the handler cancels its upstream request (see _run)
 
     def data_received(self, data: bytes) -> None:
         self._last_activity = self._loop.time()
@@ -251,7 +260,15 @@ class _ClientConnection(asyncio.Protocol):
             self._body_parts = []
             exchange = Exchange(self, method, path, query, version, headers, body, keep_alive)
             self._exchange = exchange
-            self._task = self._loop.create_task(self._run(exchange))
+            try:
+                # Synchronous on purpose: the handler may start its work (the gateway sends the request
+                # upstream) in this very turn; what it returns then runs as the request's task.
+                coro = self._server.handler.dispatch(exchange)
+            except Exception:  # noqa: BLE001 - one request's bug must not take the server down
+                log.exception("handling %s %s failed", exchange.method, exchange.path)
+                exchange.respond(500, _INTERNAL_ERROR)
+                continue
+            self._task = self._loop.create_task(self._run(exchange, coro))
 
     def _start_head(self, head: bytes) -> bool:
         """Parse a request head into ``_pending_head``; returns whether the client expects ``100 Continue``."""
@@ -260,7 +277,7 @@ class _ClientConnection(asyncio.Protocol):
         if len(parts) != 3:
             raise BadHead(400, "bad request line")
         method_b, target_b, version_b = parts
-        if version_b not in (b"HTTP/1.1", b"HTTP/1.0") or not method_b or not set(method_b) <= _TOKEN:
+        if version_b not in (b"HTTP/1.1", b"HTTP/1.0") or not method_b or method_b.translate(None, _TOKEN):
             raise BadHead(400, "bad request line")
         if not target_b.startswith(b"/"):
             raise BadHead(400, "request target must be a path")
@@ -271,7 +288,8 @@ class _ClientConnection(asyncio.Protocol):
         expect = False
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
-            if not sep or not name or not set(name) <= _TOKEN or b"\n" in line or b"\r" in line:
+            # translate(None, _TOKEN) deletes the token characters: anything left is not a header name.
+            if not sep or not name or name.translate(None, _TOKEN) or b"\n" in line or b"\r" in line:
                 raise BadHead(400, "bad header line")
             value = value.strip(b" \t")
             headers.append((name, value))
@@ -339,16 +357,24 @@ class _ClientConnection(asyncio.Protocol):
             return True
         return False
 
-    async def _run(self, exchange: Exchange) -> None:
+    async def _run(self, exchange: Exchange, coro: Any) -> None:
+        self._running = exchange
+        if self.transport is None:
+            # The client left before this task ran. It was not cancelled then (a coroutine cancelled
+            # before its first step runs no cleanup, and the handler may have sent upstream already):
+            # cancel now, so the handler's cleanup sees a CancelledError at its first await.
+            task = asyncio.current_task()
+            if task is not None:
+                task.cancel()
         try:
-            await self._server.handler.dispatch(exchange)
+            await coro
         except asyncio.CancelledError:
             exchange.keep_alive = False
             raise
         except Exception:  # noqa: BLE001 - one request's bug must not take the server down
             log.exception("handling %s %s failed", exchange.method, exchange.path)
             if not exchange.started and not exchange.gone:
-                exchange.respond(500, b'{"object":"error","type":"internal_error","code":500,"message":"gateway error"}')
+                exchange.respond(500, _INTERNAL_ERROR)
             else:
                 exchange.abort()
         finally:

@@ -459,6 +459,20 @@ class UpstreamPool:
             self._hosts[url] = host
         return host
 
+    def try_acquire(self, url: str) -> UpstreamConnection | None:
+        """An idle kept-alive connection to ``url`` now, or ``None`` (then :meth:`acquire` waits or connects)."""
+        host = self._hosts.get(url)
+        if host is None or self._closed:
+            return None
+        now = asyncio.get_running_loop().time()
+        while host.idle:
+            conn = host.idle.pop()
+            if conn.reusable and now - conn.idle_since < self.keepalive:
+                conn._state = _IDLE
+                return conn
+            conn.close()
+        return None
+
     async def acquire(self, url: str) -> UpstreamConnection:
         if self._closed:
             raise ConnectFailed("the gateway is stopping")

@@ -1,0 +1,161 @@
+"""The gateway's client-facing HTTP/1.1 server, spoken to with raw bytes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from llmdiag.gateway.server import Exchange, HttpServer
+
+pytestmark = pytest.mark.integration
+
+
+class _Echo:
+    """Answers with what it received; ``/stream`` streams three pieces; ``/hang`` waits; ``/boom`` raises."""
+
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+        self.seen: list[tuple[str, str, bytes]] = []
+
+    def dispatch(self, exchange: Exchange) -> Any:
+        return self._answer(exchange)
+
+    async def _answer(self, exchange: Exchange) -> None:
+        self.seen.append((exchange.method, exchange.path, exchange.body))
+        if exchange.path == "/stream":
+            exchange.start(200, [("Content-Type", "text/event-stream")], None)
+            for piece in (b"one ", b"two ", b"three"):
+                exchange.write([piece])
+                await asyncio.sleep(0)
+            exchange.end()
+        elif exchange.path == "/hang":
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+        elif exchange.path == "/boom":
+            raise RuntimeError("handler bug")
+        else:
+            body = json.dumps({"path": exchange.path, "query": exchange.query, "body": exchange.body.decode(),
+                               "x": (exchange.header(b"x-test") or b"").decode()}).encode()
+            exchange.respond(200, body)
+
+
+async def _server(keepalive: float = 75.0, max_body: int = 1000) -> tuple[HttpServer, _Echo]:
+    echo = _Echo()
+    server = HttpServer(echo, max_body_bytes=max_body, keepalive_seconds=keepalive)
+    await server.start("127.0.0.1", 0)
+    return server, echo
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[bytes, dict[bytes, bytes], bytes]:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    lines = head[:-4].split(b"\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines[1:])}
+    if b"content-length" in headers:
+        body = await reader.readexactly(int(headers[b"content-length"]))
+    elif headers.get(b"transfer-encoding") == b"chunked":
+        body = b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+            if size == 0:
+                await reader.readuntil(b"\r\n")
+                break
+            body += (await reader.readexactly(size + 2))[:-2]
+    else:
+        body = await asyncio.wait_for(reader.read(), 5)
+    return lines[0], headers, body
+
+
+async def test_keep_alive_pipelining_and_bodies() -> None:
+    server, echo = await _server()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    # Two requests in one write (pipelined): a Content-Length body and a chunked one.
+    writer.write(b"POST /a?q=1 HTTP/1.1\r\nHost: x\r\nX-Test: yes\r\nContent-Length: 5\r\n\r\nhello"
+                 b"POST /b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2;ext\r\nde\r\n0\r\n\r\n")
+    status, _, body = await _read_response(reader)
+    assert status == b"HTTP/1.1 200 OK"
+    assert json.loads(body) == {"path": "/a", "query": "q=1", "body": "hello", "x": "yes"}
+    status, _, body = await _read_response(reader)
+    assert json.loads(body)["body"] == "abcde"
+    # The same connection serves a streamed answer, chunked.
+    writer.write(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, headers, body = await _read_response(reader)
+    assert headers[b"transfer-encoding"] == b"chunked" and body == b"one two three"
+    writer.close()
+    await server.stop()
+
+
+async def test_expect_100_continue_and_http_1_0() -> None:
+    server, _ = await _server()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"POST /a HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n")
+    assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(b"ok")
+    assert json.loads((await _read_response(reader))[2])["body"] == "ok"
+    writer.close()
+    # HTTP/1.0: a streamed answer is not chunked; the close ends it.
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /stream HTTP/1.0\r\n\r\n")
+    status, headers, body = await _read_response(reader)
+    assert b"transfer-encoding" not in headers and headers[b"connection"] == b"close" and body == b"one two three"
+    writer.close()
+    await server.stop()
+
+
+@pytest.mark.parametrize(("request_bytes", "status"), [
+    (b"POST /a HTTP/1.1\r\nContent-Length: 5000\r\n\r\n", b"413"),
+    (b"POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n7D0\r\n" + b"x" * 2000 + b"\r\n", b"413"),
+    (b"GET /a HTTP/1.1\r\nX: " + b"a" * 70_000, b"431"),
+    (b"POST /a HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n", b"400"),
+    (b"POST /a HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", b"501"),
+    (b"GARBAGE\r\n\r\n", b"400"),
+    (b"GET http://elsewhere/ HTTP/1.1\r\n\r\n", b"400"),
+    (b"GET /a HTTP/1.1\r\nBad Header: x\r\n\r\n", b"400"),
+    (b"POST /a HTTP/1.1\r\nContent-Length: +3\r\n\r\nabc", b"400"),
+    (b"POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0x3\r\nabc\r\n", b"400"),
+])
+async def test_malformed_or_oversized_requests_are_refused_and_closed(request_bytes: bytes, status: bytes) -> None:
+    server, echo = await _server()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(request_bytes)
+    line, headers, _ = await _read_response(reader)
+    assert line.split(b" ")[1] == status
+    assert headers[b"connection"] == b"close"
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed
+    assert echo.seen == []
+    writer.close()
+    await server.stop()
+
+
+async def test_client_gone_cancels_the_handler_and_a_handler_bug_is_a_500() -> None:
+    server, echo = await _server()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /hang HTTP/1.1\r\n\r\n")
+    await asyncio.sleep(0.05)
+    writer.close()
+    await asyncio.wait_for(echo.cancelled.wait(), 5)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /boom HTTP/1.1\r\n\r\nGET /a HTTP/1.1\r\n\r\n")
+    assert (await _read_response(reader))[0] == b"HTTP/1.1 500 Internal Server Error"
+    assert (await _read_response(reader))[0] == b"HTTP/1.1 200 OK"  # the connection goes on
+    writer.close()
+    await server.stop()
+
+
+async def test_idle_connections_are_closed_after_keepalive() -> None:
+    server, _ = await _server(keepalive=0.1)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /a HTTP/1.1\r\n\r\n")
+    await _read_response(reader)
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server after 0.1 s idle
+    # A head that never completes is closed the same way (a slow or stuck client).
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /a HTTP/1.1\r\nX: ")
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    await server.stop()
