@@ -2,10 +2,13 @@
 
     .venv/bin/python bench/bench_gateway_overhead.py                 # ~1 min
     .venv/bin/python bench/bench_gateway_overhead.py --rounds 100 --seconds 5 --out /tmp/gw
+    git archive <commit> llmdiag | tar -x -C /tmp/before             # a before/after in one run:
+    .venv/bin/python bench/bench_gateway_overhead.py --compare-repo /tmp/before
 
 Part 1, added TTFT: two fake engines (``llama3-8b-h100``), ``llmdiag gateway``
-and HAProxy 2.6 (roundrobin, keep-alive to the servers) in front of them, each
-its own process. Each round sends one streamed completion (32 prompt tokens, 2
+(one per ``--loops`` event loop, plus the gateway of ``--compare-repo``'s
+checkout) and HAProxy 2.6 (roundrobin, keep-alive to the servers) in front of
+them, each its own process. Each round sends one streamed completion (32 prompt tokens, 2
 output tokens) direct to an engine (alternating), through the gateway and
 through HAProxy, in a shuffled order, one at a time, so nothing queues and the
 only difference is the hop. TTFT is the time to the first streamed token at the

@@ -10,7 +10,8 @@ x-llmdiag-backend header; the access log (stderr by default) has the routing
 decision. Settings: the [gateway] and [balancer] sections of --config.
 
 Runs on uvloop when it is importable (it is a dependency; --loop asyncio
-forces the standard loop, which is slower: docs/benchmarks.md, "Gateway").
+forces the standard loop: the same added TTFT, a lower streaming rate;
+docs/benchmarks.md, "Gateway").
 """
 
 from __future__ import annotations

@@ -1,20 +1,26 @@
 """``llmdiag gateway``: an OpenAI-compatible reverse proxy that routes with the balancer (SPEC 6.5).
 
-Request path (``POST /v1/chat/completions``, ``POST /v1/completions``):
+Request path (``POST /v1/chat/completions``, ``POST /v1/completions``), written
+for added TTFT (docs/benchmarks.md, "Gateway"):
 
-1. read the body (bounded), parse only what routing needs (model, stream,
-   prompt-token estimate: :mod:`llmdiag.gateway.request`), maybe start a
-   mirrored copy (:mod:`llmdiag.gateway.mirror`);
-2. ``balancer.pick(model, est_prompt_tokens, exclude=tried)``;
-3. send the client's bytes upstream on a pooled keep-alive connection;
-4. a non-200 answer or a failure before the response headers is classified
-   by ``balancer.on_finish`` and retried on another backend when SPEC 6.3
-   allows it (at most ``max_retries``, backoff with jitter, never the same
-   backend, only before the first byte reached the client); otherwise it is
-   passed through unchanged;
-5. a 200 is streamed to the client chunk by chunk as it arrives (no
-   buffering); the first body chunk of a streamed answer is the first token:
-   ``on_first_token(backend, ttft)``; the end is ``on_finish(backend, ...)``.
+1. :mod:`llmdiag.gateway.server` hands over the complete request from its
+   ``data_received``; :meth:`Gateway._completions` parses only what routing
+   needs (model, stream, prompt-token estimate: :mod:`llmdiag.gateway.request`),
+   picks with ``balancer.pick(model, est_prompt_tokens)`` and, when a pooled
+   connection to the pick is idle, sends the client's bytes upstream in that
+   same event-loop turn (:mod:`llmdiag.gateway.upstream`); maybe a mirrored
+   copy (:mod:`llmdiag.gateway.mirror`);
+2. the rest runs as the request's task: a non-200 answer or a failure before
+   the response head is classified by ``balancer.on_finish`` and retried on
+   another backend when SPEC 6.3 allows it (at most ``max_retries``, backoff
+   with jitter, never the same backend, only before the first byte reached
+   the client); otherwise it is passed through unchanged;
+3. a 200 is relayed to the client piece by piece from the upstream
+   connection's ``data_received`` (no buffering, no task wake-up per chunk);
+   the first body piece of a streamed answer is the first token:
+   ``on_first_token(backend, ttft)`` runs after it was written; the end is
+   ``on_finish(backend, ...)``. Metrics and the access log run after the send
+   or after the last byte, never before the first token.
 
 Every pick ends with exactly one ``on_finish``: a client that hangs up is
 reported with status 499 (the client's doing, not counted against the
@@ -24,14 +30,16 @@ client goes away).
 
 Timeouts: ``connect_timeout_seconds`` to connect; ``idle_timeout_seconds`` of
 silence between reads (headers included); ``request_timeout_seconds`` for
-the whole exchange. Connections: one aiohttp pool, at most
+the whole exchange. Connections: one pool, at most
 ``max_connections_per_backend`` per backend, kept alive for reuse, so the
 gateway does not open (and TIME_WAIT) a connection per request; the only
 connections it closes early are those of cancelled or failed requests.
 
-Background tasks: node agents' penalties (:mod:`llmdiag.router_feedback.agent_penalties`),
-the engines' own metrics (:mod:`llmdiag.gateway.engine_signals`), active probes (what re-admits an ejected backend) and the backends' model
-lists (backends configured without ``models`` learn them from ``/v1/models``).
+Background tasks (on an aiohttp session): node agents' penalties
+(:mod:`llmdiag.router_feedback.agent_penalties`), the engines' own metrics
+(:mod:`llmdiag.gateway.engine_signals`), active probes (what re-admits an
+ejected backend) and the backends' model lists (backends configured without
+``models`` learn them from ``/v1/models``).
 """
 
 from __future__ import annotations
