@@ -264,8 +264,12 @@ class Gateway:
             conn = self._pool.try_acquire(backend.url) if self._pool is not None else None
             sent_at = time.perf_counter()
             if conn is not None:
-                conn.send(self._request_bytes(backend, exchange.path, exchange.query, headers, raw),
-                          cfg.idle_timeout_seconds, asyncio.get_running_loop().time() + cfg.request_timeout_seconds)
+                try:
+                    conn.send(self._request_bytes(backend, exchange.path, exchange.query, headers, raw),
+                              cfg.idle_timeout_seconds, asyncio.get_running_loop().time() + cfg.request_timeout_seconds)
+                except UpstreamError:  # closed under our feet: the coroutine acquires another one
+                    conn.close()
+                    conn = None
             first = (backend, decision, conn, sent_at)
         if self.mirror is not None:
             self.mirror.maybe(exchange.path, raw, forward_headers((k.decode("latin-1"), v.decode("latin-1"))
