@@ -9,9 +9,9 @@ through as it arrives), GET /v1/models (merged across backends), /metrics
 x-llmdiag-backend header; the access log (stderr by default) has the routing
 decision. Settings: the [gateway] and [balancer] sections of --config.
 
-Runs on uvloop when it is importable (it is a dependency; --loop asyncio
-forces the standard loop: the same added TTFT, a lower streaming rate;
-docs/benchmarks.md, "Gateway").
+Runs on uvloop when it is importable (it is a dependency); --loop asyncio
+forces the standard loop (measured: the same added TTFT; docs/benchmarks.md,
+"Gateway").
 """
 
 from __future__ import annotations

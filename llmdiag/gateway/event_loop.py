@@ -3,8 +3,8 @@
 uvloop (libuv, Cython) is a dependency of llmdiag, but an environment may lack
 it (a platform without wheels, a distribution package set): the gateway then
 runs on the standard loop, with the same behaviour. ``--loop`` forces either.
-Measured: the same added TTFT, a higher streaming rate on uvloop
-(docs/benchmarks.md, "Gateway").
+Measured: the same added TTFT on both; uvloop's streaming rate was higher
+in most runs, within the benchmark machine's noise (docs/benchmarks.md, "Gateway").
 """
 
 from __future__ import annotations
