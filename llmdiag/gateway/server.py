@@ -12,11 +12,17 @@ docs/benchmarks.md, "Gateway".
 
 What it does: HTTP/1.1 and 1.0 requests with a Content-Length or chunked body
 (bounded), ``Expect: 100-continue``, keep-alive and pipelining (one request at
-a time per connection, in order), chunked or Content-Length responses, an idle
-timeout for connections between requests. Refused with an error status and
-the connection closed: heads over 64 KiB (431), bodies over the limit (413),
-both Content-Length and Transfer-Encoding, or any other malformed head (400),
-transfer codings other than chunked (501). A client that goes away cancels its
+a time per connection, in order), chunked or Content-Length responses (none
+for HEAD, 204, 304), an idle timeout for connections between requests and
+between body reads, a head timeout from a head's first byte (slow-loris:
+408), a cap on open connections (503). Refused with an error status and the
+connection closed: heads over 64 KiB or 128 lines (431), bodies over the
+limit (413), both Content-Length and Transfer-Encoding, Transfer-Encoding in
+HTTP/1.0, a CR, LF or NUL outside a CRLF, LF-only heads, control characters in
+the target, absolute-form targets, or any other malformed head (400),
+transfer codings other than chunked (501). A client that does not read its
+answers stops being read from (pipelined requests wait; a streamed answer
+pauses its backend in the gateway). A client that goes away cancels its
 handler's task (the gateway then cancels upstream).
 """
 
@@ -36,13 +42,18 @@ __all__ = ["Exchange", "Handler", "HttpServer", "MAX_HEAD_BYTES"]
 log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 413: "Payload Too Large",
+#: Header lines per request head (a 64 KiB head of empty-valued headers would be ~16k of them): 431 above.
+MAX_HEADERS = 128
+_REASONS = {200: "OK", 204: "No Content", 304: "Not Modified", 400: "Bad Request", 404: "Not Found",
+            405: "Method Not Allowed", 408: "Request Timeout", 413: "Payload Too Large",
             429: "Too Many Requests", 431: "Request Header Fields Too Large", 499: "Client Closed Request",
             500: "Internal Server Error", 501: "Not Implemented", 502: "Bad Gateway", 503: "Service Unavailable",
             504: "Gateway Timeout"}
 _INTERNAL_ERROR = b'{"object":"error","type":"internal_error","code":500,"message":"gateway error"}'
 #: RFC 9110 5.6.2 token characters: what a method or a header name may be made of.
 _TOKEN = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+#: Control characters and space: none may appear in a request target (it is forwarded upstream as is).
+_CTL_SP = bytes(range(0x21)) + b"\x7f"
 
 
 class Handler(Protocol):
@@ -64,7 +75,7 @@ class BadHead(ValueError):
 class Exchange:
     """One request and its response. Writes go straight to the client's transport."""
 
-    __slots__ = ("_chunked", "_conn", "body", "ended", "headers", "keep_alive", "method", "path", "query", "started",
+    __slots__ = ("_chunked", "_conn", "_no_body", "body", "ended", "headers", "keep_alive", "method", "path", "query", "started",
                  "version")
 
     def __init__(self, conn: _ClientConnection, method: str, path: str, query: str, version: str,
@@ -81,6 +92,7 @@ class Exchange:
         self.started = False  # the response head was written
         self.ended = False
         self._chunked = False
+        self._no_body = False
 
     # ------------------------------------------------------------ facts
 
@@ -115,7 +127,13 @@ class Exchange:
         lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}\r\n"]
         for k, v in headers:
             lines.append(f"{k}: {v}\r\n")
-        if content_length is not None:
+        if status in (204, 304) or self.method == "HEAD":
+            # RFC 9110 6.4.1: these answers have no body whatever the head says; writing one would be read
+            # by the client as the start of the next response.
+            self._no_body = True
+            if content_length is not None and status != 204:
+                lines.append(f"Content-Length: {content_length}\r\n")
+        elif content_length is not None:
             lines.append(f"Content-Length: {content_length}\r\n")
         elif self.version == "HTTP/1.1":
             self._chunked = True
@@ -124,6 +142,8 @@ class Exchange:
             self.keep_alive = False  # an HTTP/1.0 client learns the end from the close
         if not self.keep_alive:
             lines.append("Connection: close\r\n")
+        elif self.version == "HTTP/1.0":
+            lines.append("Connection: keep-alive\r\n")  # else an HTTP/1.0 client assumes the close (RFC 9112 9.3)
         lines.append("\r\n")
         transport = self.transport
         if transport is not None:
@@ -135,6 +155,8 @@ class Exchange:
         transport = self.transport
         if transport is None:
             return -1
+        if self._no_body:
+            return transport.get_write_buffer_size()
         if self._chunked:
             frames: list[bytes] = []
             for piece in pieces:
@@ -168,7 +190,7 @@ class Exchange:
         """A whole response at once."""
         self.start(status, [("Content-Type", content_type), *headers], len(body))
         transport = self.transport
-        if transport is not None and body:
+        if transport is not None and body and not self._no_body:
             transport.write(body)
         self.end()
 
@@ -183,7 +205,9 @@ class _ClientConnection(asyncio.Protocol):
         self._exchange: Exchange | None = None
         self._running: Exchange | None = None  # the exchange whose task has started
         self._task: asyncio.Task[Any] | None = None
-        self._paused = False
+        self._paused = False  # reading paused: see data_received
+        self._write_paused = False  # the client's write buffer is over the transport's high-water mark
+        self._head_started = 0.0  # loop time the first byte of a still incomplete head arrived (0: none)
         self._idle_timer: asyncio.TimerHandle | None = None
         self._last_activity = 0.0
         # A request whose body is still arriving.
@@ -204,6 +228,11 @@ class _ClientConnection(asyncio.Protocol):
         if sock is not None:
             with contextlib.suppress(OSError, AttributeError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if len(self._server._connections) >= self._server.max_connections:
+            # Over the cap: each connection may hold a head and a body in memory. Refused at once, so a
+            # flood of connections costs a bounded amount (the kernel's backlog holds the rest).
+            self._refuse(503, "too many connections")
+            return
         self._server._connections.add(self)
         self._arm_idle()
 
@@ -220,13 +249,29 @@ class _ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self._last_activity = self._loop.time()
         self._buf = self._buf + data if self._buf else data
-        if self._exchange is None:
+        if self._exchange is None and not self._write_paused:
             self._process()
-        elif len(self._buf) > self._server.max_body_bytes + MAX_HEAD_BYTES and not self._paused:
-            # Pipelined requests pile up while one is answered: stop reading until it is done.
+        elif not self._paused and (self._write_paused or len(self._buf) > self._server.max_body_bytes + MAX_HEAD_BYTES):
+            # Pipelined requests pile up while one is answered, or the client does not read what it asked
+            # for: stop reading until the answer is done / the client drained (exchange_done, resume_writing).
             self._paused = True
             if self.transport is not None:
                 self.transport.pause_reading()
+
+    def pause_writing(self) -> None:
+        # The transport's buffer toward the client is over its high-water mark. A streamed answer has its
+        # own bound (the gateway pauses the backend); this one stops the next pipelined request, so a client
+        # that sends requests and never reads the answers cannot grow the buffer without bound.
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._exchange is None and self.transport is not None:
+            if self._paused:
+                self._paused = False
+                self.transport.resume_reading()
+            if self._buf:
+                self._loop.call_soon(self._process)
 
     def eof_received(self) -> bool:
         # HTTP clients do not half-close to wait for an answer: an EOF is a client that went away, and
@@ -237,13 +282,20 @@ class _ClientConnection(asyncio.Protocol):
 
     def _process(self) -> None:
         """Parse what is buffered into the next request; start it when its body is complete."""
-        while self._exchange is None and self.transport is not None and not self.transport.is_closing():
+        while (self._exchange is None and not self._write_paused and self.transport is not None
+               and not self.transport.is_closing()):
             if self._pending_head is None:
-                end = self._buf.find(b"\r\n\r\n")
+                # Bounded search: a head over the limit is refused even when it arrived in one read.
+                end = self._buf.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES + 4)
                 if end < 0:
                     if len(self._buf) > MAX_HEAD_BYTES:
                         self._refuse(431, "request head too large")
+                    elif b"\n\n" in self._buf or b"\n\r\n" in self._buf:
+                        self._refuse(400, "header lines must end with CRLF")  # an LF-only head: never waits
+                    elif self._buf and not self._head_started:
+                        self._start_head_clock()
                     return
+                self._head_started = 0.0
                 try:
                     expect = self._start_head(self._buf[:end])
                 except BadHead as exc:
@@ -273,6 +325,12 @@ class _ClientConnection(asyncio.Protocol):
     def _start_head(self, head: bytes) -> bool:
         """Parse a request head into ``_pending_head``; returns whether the client expects ``100 Continue``."""
         lines = head.split(b"\r\n")
+        # A CR or LF not part of a CRLF, or a NUL, anywhere in the head: refused (RFC 9112 2.2, 5.5). A bare
+        # LF in the query would otherwise reach the backend inside the request line: a smuggled header.
+        if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1 or b"\0" in head:
+            raise BadHead(400, "bare CR, LF or NUL in the request head")
+        if len(lines) > MAX_HEADERS + 1:
+            raise BadHead(431, f"more than {MAX_HEADERS} header lines")
         parts = lines[0].split(b" ")
         if len(parts) != 3:
             raise BadHead(400, "bad request line")
@@ -281,6 +339,8 @@ class _ClientConnection(asyncio.Protocol):
             raise BadHead(400, "bad request line")
         if not target_b.startswith(b"/"):
             raise BadHead(400, "request target must be a path")
+        if len(target_b.translate(None, _CTL_SP)) != len(target_b):
+            raise BadHead(400, "control character in the request target")
         headers: list[tuple[bytes, bytes]] = []
         length: int | None = None
         chunked = False
@@ -289,7 +349,7 @@ class _ClientConnection(asyncio.Protocol):
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
             # translate(None, _TOKEN) deletes the token characters: anything left is not a header name.
-            if not sep or not name or name.translate(None, _TOKEN) or b"\n" in line or b"\r" in line:
+            if not sep or not name or name.translate(None, _TOKEN):
                 raise BadHead(400, "bad header line")
             value = value.strip(b" \t")
             headers.append((name, value))
@@ -301,6 +361,8 @@ class _ClientConnection(asyncio.Protocol):
             elif lname == b"transfer-encoding":
                 if value.lower() != b"chunked":
                     raise BadHead(501, "only the chunked transfer coding is supported")
+                if chunked:  # a second "chunked" would mean chunked twice (RFC 9112 6.1)
+                    raise BadHead(400, "Transfer-Encoding repeated")
                 chunked = True
             elif lname == b"connection":
                 connection += b"," + value.lower()
@@ -308,6 +370,8 @@ class _ClientConnection(asyncio.Protocol):
                 expect = True
         if chunked and length is not None:
             raise BadHead(400, "both Content-Length and Transfer-Encoding")  # RFC 9112 6.1: a smuggling sign
+        if chunked and version_b == b"HTTP/1.0":
+            raise BadHead(400, "Transfer-Encoding in an HTTP/1.0 request")  # RFC 9112 6.1: faulty framing
         if length is not None and length > self._server.max_body_bytes:
             raise BadHead(413, f"request body larger than {self._server.max_body_bytes} bytes")
         version = version_b.decode()
@@ -391,7 +455,7 @@ class _ClientConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return
-        if self._paused and self.transport is not None:
+        if self._paused and not self._write_paused and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
         self._arm_idle()
@@ -415,24 +479,50 @@ class _ClientConnection(asyncio.Protocol):
         if self._idle_timer is None:
             self._idle_timer = self._loop.call_at(self._last_activity + self._server.keepalive_seconds, self._check_idle)
 
+    def _start_head_clock(self) -> None:
+        """A head started arriving: it has ``head_timeout_seconds`` to complete, however its bytes trickle in."""
+        self._head_started = self._loop.time()
+        due = self._head_started + self._server.head_timeout_seconds
+        if self._idle_timer is not None and self._idle_timer.when() > due:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        if self._idle_timer is None:
+            self._idle_timer = self._loop.call_at(due, self._check_idle)
+
     def _check_idle(self) -> None:
         self._idle_timer = None
         if self.transport is None or self._exchange is not None:
             return  # a request in progress has its own timeouts; this timer re-arms when it ends
-        due = self._last_activity + self._server.keepalive_seconds
-        if self._loop.time() >= due:
-            self.transport.close()  # idle between requests, or a head that never completed
+        now = self._loop.time()
+        if self._head_started and self._pending_head is None:
+            # A slow-loris client sends a head a byte at a time: each byte would reset an idle timer,
+            # so the head's own clock runs from its first byte.
+            head_due = self._head_started + self._server.head_timeout_seconds
+            if now >= head_due:
+                self._refuse(408, "request head not received in time")
+                return
         else:
-            self._idle_timer = self._loop.call_at(due, self._check_idle)
+            head_due = float("inf")
+        due = self._last_activity + self._server.keepalive_seconds
+        if now >= due:
+            self.transport.close()  # idle between requests, or a body that stopped arriving
+        else:
+            self._idle_timer = self._loop.call_at(min(due, head_due), self._check_idle)
 
 
 class HttpServer:
     """Listens on ``host:port`` (0: any free port, see :attr:`port`) and hands requests to ``handler``."""
 
-    def __init__(self, handler: Handler, *, max_body_bytes: int, keepalive_seconds: float = 75.0) -> None:
+    def __init__(self, handler: Handler, *, max_body_bytes: int, keepalive_seconds: float = 75.0,
+                 head_timeout_seconds: float = 10.0, max_connections: int = 10_000) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
+        #: Idle time allowed between requests, and between the reads of a request body.
         self.keepalive_seconds = keepalive_seconds
+        #: Time allowed for a request head, from its first byte (header read timeout).
+        self.head_timeout_seconds = head_timeout_seconds
+        #: Open client connections at most; one more is answered 503 and closed.
+        self.max_connections = max_connections
         self._server: asyncio.Server | None = None
         self._connections: set[_ClientConnection] = set()
         self.port = 0
