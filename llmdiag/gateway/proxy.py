@@ -92,6 +92,9 @@ _MAX_MODELS_BODY = 1 << 20
 #: Client-side write buffer above which reading from the backend pauses, and below which it resumes.
 _HIGH_WATER = 1 << 20
 _LOW_WATER = 256 * 1024
+#: What ``on_finish`` hears when the gateway itself failed a request (a bug): 499's class, not held against
+#: the backend; reporting it at all keeps the balancer's in-flight count true (every pick, one on_finish).
+_GATEWAY_FAULT = CLIENT_CLOSED
 
 
 @dataclass(slots=True)
@@ -270,6 +273,10 @@ class Gateway:
                 except UpstreamError:  # closed under our feet: the coroutine acquires another one
                     conn.close()
                     conn = None
+                except Exception:
+                    conn.close()  # a bug here: the pick still gets its on_finish, then the server answers 500
+                    self._end(backend, _GATEWAY_FAULT, routed.est_prompt_tokens, False)
+                    raise
             first = (backend, decision, conn, sent_at)
         if self.mirror is not None:
             self.mirror.maybe(exchange.path, raw, forward_headers((k.decode("latin-1"), v.decode("latin-1"))
@@ -418,7 +425,10 @@ class Gateway:
                 if ended or relay.client_gone:
                     break
                 # Paused: the client reads slower than the backend writes; resume once its buffer drained.
-                while (transport := exchange.transport) is not None and transport.get_write_buffer_size() > _LOW_WATER:
+                # The exchange's deadline still runs meanwhile (a client that never reads must not hold the
+                # backend's connection and this task forever): a failed connection ends the wait.
+                while ((transport := exchange.transport) is not None and not conn.failed
+                       and transport.get_write_buffer_size() > _LOW_WATER):
                     await asyncio.sleep(0.005)
                 conn.resume()
             if relay.client_gone:
@@ -443,6 +453,14 @@ class Gateway:
                 finished = True
                 self._log(exchange, model, CLIENT_CLOSED, backend, attempt, reason + "; client went away", route, started,
                           first_at, relay.size if relay is not None else 0, "client_closed")
+            raise
+        except Exception:
+            # A bug on this path (the server logs it and answers 500 or aborts): the pick still ends once.
+            if not finished:
+                self._end(backend, _GATEWAY_FAULT, est, stream and relay is not None and relay.first_at is not None)
+                finished = True
+            if conn is not None:
+                conn.close()
             raise
         finally:
             if conn is not None:

@@ -83,8 +83,14 @@ class ResponseHead:
 
 def parse_head(data: bytes | bytearray) -> ResponseHead:
     """Status line and headers (without the blank line); raises :class:`ProtocolError`."""
+    raw = bytes(data)
+    # A CR or LF outside a CRLF, or a NUL (RFC 9112 2.2, 5.5): the headers are forwarded to the client, where
+    # a bare LF inside a value would start a header (or a response) of the backend's making.
+    crlf = raw.count(b"\r\n")
+    if raw.count(b"\n") != crlf or raw.count(b"\r") != crlf or b"\0" in raw:
+        raise ProtocolError("bare CR, LF or NUL in the response head")
     # As aiohttp's parser does: UTF-8, and bytes that are not pass through unchanged (surrogateescape).
-    text = bytes(data).decode("utf-8", "surrogateescape")
+    text = raw.decode("utf-8", "surrogateescape")
     lines = text.split("\r\n")
     version, _, rest = lines[0].partition(" ")
     code, _, reason = rest.partition(" ")
@@ -94,9 +100,10 @@ def parse_head(data: bytes | bytearray) -> ResponseHead:
     content_length: int | None = None
     chunked = False
     connection = ""
+    coded = False  # a Transfer-Encoding was present (chunked or not)
     for line in lines[1:]:
         name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip() or line[0] in " \t":
+        if not sep or not name or " " in name or "\t" in name:
             raise ProtocolError(f"bad header line {line[:80]!r}")
         value = value.strip(" \t")
         headers.append((name, value))
@@ -108,13 +115,18 @@ def parse_head(data: bytes | bytearray) -> ResponseHead:
         elif lname == "transfer-encoding":
             # RFC 9112 6.1: chunked must be the last coding; then it frames the body and Content-Length is ignored.
             chunked = value.lower().rsplit(",", 1)[-1].strip() == "chunked"
+            coded = True
         elif lname == "connection":
             connection += "," + value.lower()
     status = int(code)
-    if chunked:
-        content_length = None
     tokens = {t.strip() for t in connection.split(",")}
     keep_alive = "close" not in tokens if version == "HTTP/1.1" else "keep-alive" in tokens
+    if coded:
+        # RFC 9112 6.3: Transfer-Encoding wins over Content-Length; chunked not last: the body ends with the
+        # connection. Both headers at once may be a response-splitting attempt: never reuse that connection.
+        if content_length is not None or not chunked:
+            keep_alive = False
+        content_length = None
     if not chunked and content_length is None and not (status < 200 or status in (204, 304)):
         keep_alive = False  # the body ends with the connection
     return ResponseHead(status, reason, headers, content_length, chunked, keep_alive)
@@ -210,6 +222,11 @@ class UpstreamConnection(asyncio.Protocol):
     def reusable(self) -> bool:
         return (self._state == _DONE and self._head is not None and self._head.keep_alive and not self._extra_bytes
                 and self.transport is not None and not self.transport.is_closing())
+
+    @property
+    def failed(self) -> bool:
+        """The exchange failed (timeout, protocol error, close); :meth:`wait_body` raises why."""
+        return self._error is not None
 
     @property
     def head(self) -> ResponseHead | None:
@@ -324,7 +341,11 @@ class UpstreamConnection(asyncio.Protocol):
                 self.close()
                 return
             del buf[: end + 4]
-            if 100 <= head.status < 200 and head.status != 101:
+            if head.status == 101:  # the gateway never asks to switch protocols
+                self._fail(ProtocolError("unexpected 101 Switching Protocols"))
+                self.close()
+                return
+            if 100 <= head.status < 200:
                 continue  # 100 Continue and friends: the real answer follows
             self._head = head
             self._state = _BODY

@@ -74,11 +74,23 @@ def test_parse_head_framing_and_keep_alive() -> None:
     assert parse_head(b"HTTP/1.1 204 No Content").keep_alive is True
 
 
+def test_parse_head_ambiguous_framing_is_read_by_te_and_never_reused() -> None:
+    # Both framings without Connection: close: TE frames the body, and the connection is not trusted again.
+    head = parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked")
+    assert (head.chunked, head.content_length, head.keep_alive) == (True, None, False)
+    # A coding other than chunked last: read until the close, whatever Content-Length says.
+    head = parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: gzip")
+    assert (head.chunked, head.content_length, head.keep_alive) == (False, None, False)
+
+
 @pytest.mark.parametrize("head", [
     b"HTTP/2 200 OK", b"ICY 200 OK", b"HTTP/1.1 2000 OK", b"HTTP/1.1 20x OK",
     b"HTTP/1.1 200 OK\r\nno-colon", b"HTTP/1.1 200 OK\r\n folded: x", b"HTTP/1.1 200 OK\r\nName : x",
     b"HTTP/1.1 200 OK\r\nContent-Length: -1", b"HTTP/1.1 200 OK\r\nContent-Length: \xc2\xb2",
     b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2",
+    # Bare LF, bare CR, NUL: would be forwarded to the client inside a header (response splitting).
+    b"HTTP/1.1 200 OK\r\nX-A: a\nInjected: 1", b"HTTP/1.1 200 OK\r\nX-A: a\rb", b"HTTP/1.1 200 OK\r\nX-A: a\x00b",
+    b"HTTP/1.1 200 OK\nX-A: a", b"HTTP/1.1 200 OK\r\nBad Name: x",
 ])
 def test_parse_head_rejects_what_is_not_http_1(head: bytes) -> None:
     with pytest.raises(ProtocolError):
