@@ -64,6 +64,8 @@ class ChunkedDecoder:
                     if n - pos > MAX_CHUNK_LINE:
                         raise ChunkedError("chunk size line too long")
                     break
+                if eol - pos > MAX_CHUNK_LINE:  # also when the whole line came in one read
+                    raise ChunkedError("chunk size line too long" if state == _SIZE else "trailer line too long")
                 line = data[pos:eol]
                 pos = eol + 2
                 if state == _TRAILER:

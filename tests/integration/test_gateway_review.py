@@ -317,3 +317,23 @@ async def test_a_gateway_bug_after_the_pick_still_ends_the_pick_once(monkeypatch
             assert gw.balancer.load("r") == 0 and len(finishes) == 1
     finally:
         await backend.stop()
+
+
+async def test_a_backend_that_never_answers_is_a_504_and_one_finish() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await asyncio.sleep(30)
+
+    backend = await RawBackend(silent).start()
+    try:
+        async with gateway([Backend("r", backend.url, models=(MODEL,))], BalancerConfig(max_retries=0),
+                           request_timeout_seconds=0.5) as gw:
+            finishes = _count_finishes(gw.balancer)
+            reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+            writer.write(_REQUEST)
+            line, _, _, _ = await _read_response(reader)
+            assert line.split(b" ")[1] == b"504"
+            writer.close()
+            await _settle(gw.balancer, "r")
+            assert finishes == ["timeout"] and gw.balancer.load("r") == 0
+    finally:
+        await backend.stop()

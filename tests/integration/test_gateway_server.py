@@ -212,6 +212,17 @@ async def test_framing_errors_already_refused(request_bytes: bytes, status: byte
     await server.stop()
 
 
+async def test_a_chunk_extension_over_the_line_limit_is_refused_even_in_one_read() -> None:
+    server, echo = await _server()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2;" + b"e" * 10_000 + b"\r\nab\r\n0\r\n\r\n")
+    line, _, _ = await _read_response(reader)
+    assert line.split(b" ")[1] == b"400"
+    assert echo.seen == []
+    writer.close()
+    await server.stop()
+
+
 async def test_chunk_extensions_trailers_and_connection_close() -> None:
     server, echo = await _server()
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
