@@ -182,8 +182,7 @@ class Exchange:
         """End the client's connection without a clean end of body, so a truncated stream reads as one."""
         self.ended = True
         self.keep_alive = False
-        if self._conn.transport is not None:
-            self._conn.transport.close()
+        self._conn.close()
 
     def respond(self, status: int, body: bytes, headers: Iterable[tuple[str, str]] = (),
                 content_type: str = "application/json") -> None:
@@ -452,8 +451,7 @@ class _ClientConnection(asyncio.Protocol):
         self._exchange = None
         self._task = None
         if not exchange.keep_alive:
-            if self.transport is not None:
-                self.transport.close()
+            self.close()
             return
         if self._paused and not self._write_paused and self.transport is not None:
             self._paused = False
@@ -470,7 +468,17 @@ class _ClientConnection(asyncio.Protocol):
                 % (status, message.replace('"', "'"))).encode()
         transport.write(f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        self.close()
+
+    def close(self) -> None:
+        """Close after what is buffered was sent; a client that does not take it within ``linger_seconds``
+        is cut off (else a client that never reads would hold the connection and its buffer forever)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
         transport.close()
+        if transport.get_write_buffer_size():
+            self._loop.call_later(self._server.linger_seconds, transport.abort)  # a no-op once closed
 
     # ------------------------------------------------------------ idle connections
 
@@ -505,7 +513,7 @@ class _ClientConnection(asyncio.Protocol):
             head_due = float("inf")
         due = self._last_activity + self._server.keepalive_seconds
         if now >= due:
-            self.transport.close()  # idle between requests, or a body that stopped arriving
+            self.close()  # idle between requests, or a body that stopped arriving
         else:
             self._idle_timer = self._loop.call_at(min(due, head_due), self._check_idle)
 
@@ -514,7 +522,8 @@ class HttpServer:
     """Listens on ``host:port`` (0: any free port, see :attr:`port`) and hands requests to ``handler``."""
 
     def __init__(self, handler: Handler, *, max_body_bytes: int, keepalive_seconds: float = 75.0,
-                 head_timeout_seconds: float = 10.0, max_connections: int = 10_000) -> None:
+                 head_timeout_seconds: float = 10.0, max_connections: int = 10_000,
+                 linger_seconds: float = 10.0) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
         #: Idle time allowed between requests, and between the reads of a request body.
@@ -523,6 +532,8 @@ class HttpServer:
         self.head_timeout_seconds = head_timeout_seconds
         #: Open client connections at most; one more is answered 503 and closed.
         self.max_connections = max_connections
+        #: How long a closing connection may take to send what is buffered before it is aborted.
+        self.linger_seconds = linger_seconds
         self._server: asyncio.Server | None = None
         self._connections: set[_ClientConnection] = set()
         self.port = 0

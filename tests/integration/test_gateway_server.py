@@ -327,3 +327,32 @@ async def test_a_client_that_pipelines_and_never_reads_is_not_buffered_without_b
     assert buffered < 256 * 1024  # the transport's high-water mark plus one answer, not megabytes
     writer.transport.abort()
     await server.stop()
+
+
+async def test_a_closing_connection_whose_client_never_reads_is_cut_off_after_the_linger() -> None:
+    import socket
+
+    answered = asyncio.Event()
+
+    class _Big(_Echo):
+        async def _answer(self, exchange: Exchange) -> None:
+            exchange.respond(200, b"x" * (8 << 20))  # far more than the kernel's buffers take
+            answered.set()
+
+    server = HttpServer(_Big(), max_body_bytes=1000, linger_seconds=0.2)
+    await server.start("127.0.0.1", 0)
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", server.port))
+    await loop.sock_sendall(sock, b"GET /a HTTP/1.0\r\n\r\n")  # HTTP/1.0: the answer ends with a close
+    await asyncio.wait_for(answered.wait(), 5)
+    assert server._connections  # closing, with megabytes still to send
+    for _ in range(250):  # never read: the server gives up on the buffered answer and lets the connection go
+        if not server._connections:
+            break
+        await asyncio.sleep(0.02)
+    assert not server._connections
+    sock.close()
+    await server.stop()
