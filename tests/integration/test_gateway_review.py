@@ -337,3 +337,35 @@ async def test_a_backend_that_never_answers_is_a_504_and_one_finish() -> None:
             assert finishes == ["timeout"] and gw.balancer.load("r") == 0
     finally:
         await backend.stop()
+
+
+async def test_a_pooled_connection_closed_under_a_request_is_retried_elsewhere_before_any_byte() -> None:
+    # Backend "a" answers once on a kept-alive connection, then closes it when the next request arrives
+    # on it, answering nothing (the race of an idle-close with a reuse). Nothing reached the client yet,
+    # so the request goes to "b" (SPEC 6.3); "a" gets its one on_finish (connect_error).
+    async def once_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        if n == 0:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+        else:
+            writer.transport.abort()
+
+    a = await RawBackend(once_then_close).start()
+    b = await RawBackend(_fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")).start()
+    try:
+        async with gateway([Backend("a", a.url, models=(MODEL,)), Backend("b", b.url, models=(MODEL,))],
+                           BalancerConfig(choices=0)) as gw:
+            gw.balancer.set_penalty("b", 0.9)  # "a" is the pick while healthy
+            finishes = _count_finishes(gw.balancer)
+            reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+            for _ in range(2):
+                writer.write(_REQUEST)
+                line, headers, body, clean = await _read_response(reader)
+                assert (line, body, clean) == (b"HTTP/1.1 200 OK", b"ok", True)
+            assert headers[b"x-llmdiag-backend"] == b"b"
+            assert a.connections == [a.connections[0]] * 2 and b.requests == 1
+            assert finishes == [200, "connect_error", 200]
+            writer.close()
+    finally:
+        await a.stop()
+        await b.stop()
