@@ -369,3 +369,28 @@ async def test_a_pooled_connection_closed_under_a_request_is_retried_elsewhere_b
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_gateway_bug_in_the_inline_send_still_ends_the_pick_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmdiag.gateway.proxy import Gateway
+
+    backend = await RawBackend(_fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")).start()
+    try:
+        async with gateway([Backend("r", backend.url, models=(MODEL,))]) as gw:
+            reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+            writer.write(_REQUEST)  # leaves a pooled connection: the next request is sent from data_received
+            assert (await _read_response(reader))[0] == b"HTTP/1.1 200 OK"
+            await _settle(gw.balancer, "r")
+            finishes = _count_finishes(gw.balancer)
+
+            def broken(*args: Any, **kwargs: Any) -> bytes:
+                raise RuntimeError("a bug")
+
+            monkeypatch.setattr(Gateway, "_request_bytes", broken)
+            writer.write(_REQUEST)
+            assert (await _read_response(reader))[0] == b"HTTP/1.1 500 Internal Server Error"
+            writer.close()
+            await _settle(gw.balancer, "r")
+            assert gw.balancer.load("r") == 0 and len(finishes) == 1
+    finally:
+        await backend.stop()
