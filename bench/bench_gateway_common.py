@@ -51,9 +51,10 @@ class Fleet:
         self.tmp = Path(tempfile.mkdtemp(prefix="llmdiag-bench-"))
         self.env = {**os.environ, "PYTHONPATH": str(REPO)}
 
-    def spawn(self, args: list[str], name: str) -> subprocess.Popen:
+    def spawn(self, args: list[str], name: str, repo: Path = REPO) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO)
+        env = self.env if repo == REPO else {**self.env, "PYTHONPATH": str(repo)}
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=repo)
         self.procs.append(proc)
         return proc
 
@@ -69,16 +70,18 @@ class Fleet:
         wait_http(url + "/health")
         return url
 
-    def gateway(self, port: int, backends: list[str], agents: list[str] = (), extra_toml: str = "") -> str:
+    def gateway(self, port: int, backends: list[str], agents: list[str] = (), extra_toml: str = "",
+                loop: str | None = None, repo: Path = REPO) -> str:
+        """``llmdiag gateway`` on ``port``; ``loop``: its ``--loop``; ``repo``: run another checkout's code (a before/after)."""
         cfg = self.tmp / f"gateway-{port}.toml"
         cfg.write_text(f'[gateway]\naccess_log = ""\n{extra_toml}\n')
         args = [PY, "-m", "llmdiag.cli", "--config", str(cfg)]
         for b in backends:
             args += ["--backend", b]
-        args += ["gateway", "--listen", f"127.0.0.1:{port}"]
+        args += ["gateway", "--listen", f"127.0.0.1:{port}"] + (["--loop", loop] if loop else [])
         for a in agents:
             args += ["--agent", a]
-        self.spawn(args, f"gateway-{port}")
+        self.spawn(args, f"gateway-{port}", repo)
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/healthz")
         return url

@@ -2,10 +2,13 @@
 
     .venv/bin/python bench/bench_gateway_overhead.py                 # ~1 min
     .venv/bin/python bench/bench_gateway_overhead.py --rounds 100 --seconds 5 --out /tmp/gw
+    git archive <commit> llmdiag | tar -x -C /tmp/before             # a before/after in one run:
+    .venv/bin/python bench/bench_gateway_overhead.py --compare-repo /tmp/before
 
 Part 1, added TTFT: two fake engines (``llama3-8b-h100``), ``llmdiag gateway``
-and HAProxy 2.6 (roundrobin, keep-alive to the servers) in front of them, each
-its own process. Each round sends one streamed completion (32 prompt tokens, 2
+(one per ``--loops`` event loop, plus the gateway of ``--compare-repo``'s
+checkout) and HAProxy 2.6 (roundrobin, keep-alive to the servers) in front of
+them, each its own process. Each round sends one streamed completion (32 prompt tokens, 2
 output tokens) direct to an engine (alternating), through the gateway and
 through HAProxy, in a shuffled order, one at a time, so nothing queues and the
 only difference is the hop. TTFT is the time to the first streamed token at the
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import statistics
@@ -102,28 +106,50 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered) + 0.5)) - 1))]
 
 
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--loops", default="uvloop,asyncio" if _importable("uvloop") else "asyncio",
+                        help="gateway event loops to measure, one gateway each (default: uvloop,asyncio)")
+    parser.add_argument("--compare-repo", metavar="PATH", type=Path,
+                        help="also run the gateway of another checkout (e.g. the main branch) in the same run: a before/after")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gateway_overhead"))
     args = parser.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result: dict = {"python": platform.python_version(), "rounds": args.rounds}
+    loops = [x for x in args.loops.split(",") if x]
+    result: dict = {"python": platform.python_version(), "rounds": args.rounds, "loops": loops,
+                    "compare_repo": str(args.compare_repo) if args.compare_repo else None}
+
+    def gateways(fleet: Fleet, upstreams: list[str], extra_toml: str = "") -> dict[str, str]:
+        out = {f"gateway_{loop}": fleet.gateway(free_port(), upstreams, extra_toml=extra_toml, loop=loop) for loop in loops}
+        if args.compare_repo:
+            out["gateway_before"] = fleet.gateway(free_port(), upstreams, extra_toml=extra_toml, repo=args.compare_repo)
+        return out
+
     with Fleet() as fleet:
         engines = [fleet.engine(free_port(), label=str(i)) for i in range(2)]
-        gw = fleet.gateway(free_port(), engines)
-        ha = fleet.haproxy(free_port(), engines)
-        print(f"part 1: {args.rounds} rounds of direct / gateway / haproxy ...", flush=True)
-        ttfts = asyncio.run(added_ttft({"direct": engines, "gateway": [gw], "haproxy": [ha]}, args.rounds, args.seed))
+        paths = {"direct": engines}
+        paths.update({name: [url] for name, url in gateways(fleet, engines).items()})
+        paths["haproxy"] = [fleet.haproxy(free_port(), engines)]
+        print(f"part 1: {args.rounds} rounds of {' / '.join(paths)} ...", flush=True)
+        ttfts = asyncio.run(added_ttft(paths, args.rounds, args.seed))
         stats = {}
         for name, values in ttfts.items():
             stats[name] = {"p50_ms": round(pct(values, 50) * 1000, 3), "p99_ms": round(pct(values, 99) * 1000, 3),
                            "mean_ms": round(statistics.fmean(values) * 1000, 3)}
-        for name in ("gateway", "haproxy"):
+        for name in paths:
+            if name == "direct":
+                continue
             stats[name]["added_p50_ms"] = round(stats[name]["p50_ms"] - stats["direct"]["p50_ms"], 3)
             stats[name]["added_p99_ms"] = round(stats[name]["p99_ms"] - stats["direct"]["p99_ms"], 3)
             # Paired by round: each round's proxy TTFT minus the same round's direct TTFT.
@@ -134,15 +160,17 @@ def main() -> None:
         fleet.close()
     with Fleet() as fleet:
         upstream = fleet.instant_upstream(free_port())
-        gw = fleet.gateway(free_port(), [upstream], extra_toml="probes = false\nengine_signals = false")
-        ha = fleet.haproxy(free_port(), [upstream])
+        targets = {"direct": upstream, **gateways(fleet, [upstream], "probes = false\nengine_signals = false"),
+                   "haproxy": fleet.haproxy(free_port(), [upstream])}
         tp = {}
-        for name, url in (("direct", upstream), ("gateway", gw), ("haproxy", ha)):
+        for name, url in targets.items():
             print(f"part 2: {name}, {args.concurrency} clients for {args.seconds:g} s ...", flush=True)
             tp[name] = asyncio.run(throughput(url, args.concurrency, args.seconds))
         result["throughput"] = tp
+    result["loadavg_after"] = list(os.getloadavg())
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({"ttft": result["ttft"], "throughput": result["throughput"]}, indent=1))
+    print(json.dumps({"ttft": result["ttft"], "throughput": result["throughput"], "loadavg_after": result["loadavg_after"]},
+                     indent=1))
     try:
         import matplotlib
 

@@ -51,6 +51,17 @@ class GatewayMetrics:
         self.mirrored = Counter("llmdiag_gateway_mirrored", "Requests mirrored to the shadow backend, by outcome.",
                                 ["outcome"], registry=reg)
         reg.register(_StateCollector(balancer, agents, extra))
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *values: str) -> Any:  # noqa: ANN401 - a prometheus_client child
+        """``metric.labels(*values)``, cached: ``labels()`` validates and locks on every call, and the
+        request path asks for the same few children per request (label sets are bounded: backends,
+        endpoints, response classes)."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
 
 class _StateCollector(Collector):

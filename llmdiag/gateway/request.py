@@ -13,13 +13,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HOP_BY_HOP", "BadRequest", "RoutedRequest", "estimate_prompt_tokens", "forward_headers", "parse_request"]
+__all__ = ["HOP_BY_HOP", "BadRequest", "RoutedRequest", "estimate_prompt_tokens", "forward_headers", "forward_raw_headers",
+           "parse_request"]
 
-#: RFC 9110 7.6.1 hop-by-hop headers, plus the ones aiohttp recomputes for the next hop.
+#: RFC 9110 7.6.1 hop-by-hop headers, plus the ones recomputed for the next hop (host, framing).
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
     "transfer-encoding", "upgrade", "host", "content-length",
 })
+_HOP_BY_HOP_RAW = frozenset(h.encode() for h in HOP_BY_HOP)
 
 
 class BadRequest(ValueError):
@@ -93,3 +95,26 @@ def forward_headers(headers: Iterable[tuple[str, str]], drop: frozenset[str] = H
     items = list(headers)
     named = {t.strip().lower() for k, v in items if k.lower() == "connection" for t in v.split(",")}
     return [(k, v) for k, v in items if k.lower() not in drop and k.lower() not in named]
+
+
+def forward_raw_headers(raw_headers: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes] = _HOP_BY_HOP_RAW) -> bytes:
+    """:func:`forward_headers` on the bytes as received, as ``Name: value\\r\\n`` lines ready to send upstream.
+
+    Working on the raw bytes sends the client's header bytes unchanged (no
+    decode and re-encode); one pass and one join per request (it runs before
+    the request goes upstream, so every microsecond is added TTFT).
+    """
+    parts: list[bytes] = []
+    named: set[bytes] | None = None
+    for k, v in raw_headers:
+        lk = k.lower()
+        if lk in drop:
+            if lk == b"connection":
+                named = (named or set()) | {t.strip().lower() for t in v.split(b",")}
+            continue
+        parts += (lk, k, v)
+    if named:  # rare: headers the client named in Connection are hop-by-hop too
+        out = [b"%s: %s\r\n" % (parts[i + 1], parts[i + 2]) for i in range(0, len(parts), 3) if parts[i] not in named]
+    else:
+        out = [b"%s: %s\r\n" % (parts[i + 1], parts[i + 2]) for i in range(0, len(parts), 3)]
+    return b"".join(out)

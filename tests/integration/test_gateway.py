@@ -404,3 +404,40 @@ async def test_pooled_connections_leave_no_time_wait_and_metrics_are_valid(tmp_p
             assert check.returncode == 0, check.stdout + check.stderr
     finally:
         await engine.stop()
+
+
+BIG = bytes(range(256)) * 32 * 1024  # 8 MiB: far more than the gateway's 1 MiB client high-water mark
+
+
+async def _big_stream(request: web.Request, upstream: Scripted) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i in range(0, len(BIG), 64 * 1024):
+        await resp.write(BIG[i:i + 64 * 1024])
+    await resp.write_eof()
+    return resp
+
+
+async def test_a_slow_client_pauses_the_backend_and_gets_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmdiag.gateway.upstream import UpstreamConnection
+
+    pauses = 0
+    original = UpstreamConnection.pause
+
+    def counting_pause(self: UpstreamConnection) -> None:
+        nonlocal pauses
+        pauses += 1
+        original(self)
+
+    monkeypatch.setattr(UpstreamConnection, "pause", counting_pause)
+    upstream = await Scripted(_big_stream).start()
+    try:
+        async with gateway([Backend("s", upstream.url)]) as gw, aiohttp.ClientSession(auto_decompress=False) as session:
+            async with session.post(gw.url + "/v1/completions", json={"model": MODEL, "stream": True}) as resp:
+                await asyncio.sleep(0.5)  # not reading: the gateway's buffer toward us fills up
+                received = await asyncio.wait_for(resp.read(), 20)
+            assert received == BIG
+            assert pauses >= 1  # the backend was paused, not buffered without bound
+            assert gw.balancer.load("s") == 0
+    finally:
+        await upstream.stop()
