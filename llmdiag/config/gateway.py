@@ -54,8 +54,13 @@ class GatewayConfig:
     idle_timeout_seconds: float = 60.0
     #: Pooled keep-alive connections per backend (a bound: more requests wait for one).
     max_connections_per_backend: int = 512
-    #: Idle pooled connections close after this long.
+    #: Idle client connections close after this long.
     keepalive_seconds: float = 75.0
+    #: Idle pooled connections to the backends close after this long: below uvicorn's 5 s
+    #: keep-alive (vLLM, SGLang), so the gateway drops an idle connection before the engine
+    #: does and never sends a request into one the engine is closing (the request would be
+    #: lost after it was sent, and with one backend there is no other to retry on).
+    upstream_keepalive_seconds: float = 4.0
     #: Largest request body accepted from a client.
     max_request_bytes: int = 16 * 1024 * 1024
     #: Prompt-token estimate for routing: characters per token.
@@ -88,7 +93,7 @@ class GatewayConfig:
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"mirror_url: {self.mirror_url!r} is not an http(s)://host:port URL")
         for name in ("agent_poll_seconds", "agent_timeout_seconds", "connect_timeout_seconds",
-                     "request_timeout_seconds", "idle_timeout_seconds", "keepalive_seconds",
+                     "request_timeout_seconds", "idle_timeout_seconds", "keepalive_seconds", "upstream_keepalive_seconds",
                      "chars_per_token", "models_cache_seconds", "engine_signals_seconds"):
             _positive(name, getattr(self, name))
         for name in ("max_connections_per_backend", "max_request_bytes", "mirror_max_in_flight"):

@@ -175,7 +175,7 @@ class Gateway:
     async def start(self) -> None:
         cfg = self.config
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=cfg.max_connections_per_backend,
-                                         keepalive_timeout=cfg.keepalive_seconds, ttl_dns_cache=300)
+                                         keepalive_timeout=cfg.upstream_keepalive_seconds, ttl_dns_cache=300)
         self._timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_seconds, sock_connect=cfg.connect_timeout_seconds,
                                               sock_read=cfg.idle_timeout_seconds)
         # auto_decompress off: compressed answers pass through as the backend sent them.
@@ -184,7 +184,7 @@ class Gateway:
                                               skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent"))
         # The request path's own client (llmdiag.gateway.upstream); the aiohttp session above serves
         # everything off that path: probes, /v1/models, agents, the mirror.
-        self._pool = UpstreamPool(limit_per_backend=cfg.max_connections_per_backend, keepalive_seconds=cfg.keepalive_seconds,
+        self._pool = UpstreamPool(limit_per_backend=cfg.max_connections_per_backend, keepalive_seconds=cfg.upstream_keepalive_seconds,
                                   connect_timeout=cfg.connect_timeout_seconds)
         if cfg.mirror_url:
             self.mirror = Mirror(cfg.mirror_url, cfg.mirror_fraction, cfg.mirror_max_in_flight, self._session,
