@@ -394,3 +394,34 @@ async def test_a_gateway_bug_in_the_inline_send_still_ends_the_pick_once(monkeyp
             assert gw.balancer.load("r") == 0 and len(finishes) == 1
     finally:
         await backend.stop()
+
+
+# ------------------------------------------------------------------ client-side limits from [gateway]
+
+async def test_the_client_side_limits_come_from_the_gateway_config() -> None:
+    """``head_timeout_seconds`` and ``max_client_connections`` reach the server (they were fixed at 10 s and 10 000)."""
+    backend = await RawBackend(_fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")).start()
+    try:
+        async with gateway([Backend(name="b", url=backend.url)], head_timeout_seconds=0.3,
+                           max_client_connections=2, linger_seconds=0.5) as gwy:
+            slow_reader, slow_writer = await asyncio.open_connection("127.0.0.1", gwy.port)
+            slow_writer.write(b"GET /v1/models HTTP/1.1\r\nX-Slow: ")  # never completes its head
+            held_reader, held_writer = await asyncio.open_connection("127.0.0.1", gwy.port)
+            over_reader, over_writer = await asyncio.open_connection("127.0.0.1", gwy.port)
+            line, headers, _, _ = await _read_response(over_reader)
+            assert line.split(b" ")[1] == b"503" and headers[b"connection"] == b"close"
+            over_writer.close()
+            line, _, _, _ = await _read_response(slow_reader)  # 0.3 s, not 10 s
+            assert line.split(b" ")[1] == b"408"
+            for w in (slow_writer, held_writer):
+                w.close()
+    finally:
+        await backend.stop()
+
+
+def test_bad_client_side_limits_are_refused() -> None:
+    from llmdiag.config.gateway import GatewayConfig
+
+    for bad in ({"head_timeout_seconds": 0}, {"linger_seconds": float("nan")}, {"max_client_connections": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            GatewayConfig(**bad)
