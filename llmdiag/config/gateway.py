@@ -58,6 +58,8 @@ class GatewayConfig:
     keepalive_seconds: float = 75.0
     #: A request head must be complete this long after its first byte (then: 408; a slow-loris client).
     head_timeout_seconds: float = 10.0
+    #: A request body must be complete this long after its head (then: 408; a body trickled a byte at a time).
+    body_timeout_seconds: float = 60.0
     #: Open client connections at most; one more is answered 503 and closed.
     max_client_connections: int = 10_000
     #: A connection being closed whose client does not take the rest of its answer within this long is aborted.
@@ -100,7 +102,7 @@ class GatewayConfig:
                 raise ValueError(f"mirror_url: {self.mirror_url!r} is not an http(s)://host:port URL")
         for name in ("agent_poll_seconds", "agent_timeout_seconds", "connect_timeout_seconds",
                      "request_timeout_seconds", "idle_timeout_seconds", "keepalive_seconds", "upstream_keepalive_seconds",
-                     "head_timeout_seconds", "linger_seconds",
+                     "head_timeout_seconds", "body_timeout_seconds", "linger_seconds",
                      "chars_per_token", "models_cache_seconds", "engine_signals_seconds"):
             _positive(name, getattr(self, name))
         for name in ("max_connections_per_backend", "max_request_bytes", "mirror_max_in_flight", "max_client_connections"):

@@ -192,7 +192,8 @@ class Gateway:
         # A client that hangs up cancels its request's task at once (llmdiag.gateway.server), so the
         # upstream request is cancelled even while the engine has not answered anything yet.
         self._server = HttpServer(self, max_body_bytes=cfg.max_request_bytes, keepalive_seconds=cfg.keepalive_seconds,
-                                  head_timeout_seconds=cfg.head_timeout_seconds, max_connections=cfg.max_client_connections,
+                                  head_timeout_seconds=cfg.head_timeout_seconds,
+                                  body_timeout_seconds=cfg.body_timeout_seconds, max_connections=cfg.max_client_connections,
                                   linger_seconds=cfg.linger_seconds)
         await self._server.start(self.host, self.port)
         self.port = self._server.port

@@ -207,6 +207,7 @@ class _ClientConnection(asyncio.Protocol):
         self._paused = False  # reading paused: see data_received
         self._write_paused = False  # the client's write buffer is over the transport's high-water mark
         self._head_started = 0.0  # loop time the first byte of a still incomplete head arrived (0: none)
+        self._body_started = 0.0  # loop time the head of a request whose body is still arriving completed (0: none)
         self._idle_timer: asyncio.TimerHandle | None = None
         self._last_activity = 0.0
         # A request whose body is still arriving.
@@ -304,7 +305,10 @@ class _ClientConnection(asyncio.Protocol):
                 if expect and (self._body_chunks is not None or self._body_length > len(self._buf)):
                     self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the client waits for this to send the body
             if not self._read_body():
+                if not self._body_started and self._pending_head is not None:
+                    self._start_body_clock()
                 return
+            self._body_started = 0.0
             method, path, query, version, headers, keep_alive = self._pending_head  # type: ignore[misc]
             body = b"".join(self._body_parts)
             self._pending_head = None
@@ -497,39 +501,58 @@ class _ClientConnection(asyncio.Protocol):
         if self._idle_timer is None:
             self._idle_timer = self._loop.call_at(due, self._check_idle)
 
+    def _start_body_clock(self) -> None:
+        """A head is complete and its body still arriving: the body has ``body_timeout_seconds`` to complete."""
+        self._body_started = self._loop.time()
+        due = self._body_started + self._server.body_timeout_seconds
+        if self._idle_timer is not None and self._idle_timer.when() > due:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        if self._idle_timer is None:
+            self._idle_timer = self._loop.call_at(due, self._check_idle)
+
     def _check_idle(self) -> None:
         self._idle_timer = None
         if self.transport is None or self._exchange is not None:
             return  # a request in progress has its own timeouts; this timer re-arms when it ends
         now = self._loop.time()
-        if self._head_started and self._pending_head is None:
+        if self._body_started and self._pending_head is not None:
+            # A body trickled a byte at a time would keep the idle timer from ever firing: like the
+            # head, the whole body has its own clock, from the end of its head.
+            request_due = self._body_started + self._server.body_timeout_seconds
+            if now >= request_due:
+                self._refuse(408, "request body not received in time")
+                return
+        elif self._head_started and self._pending_head is None:
             # A slow-loris client sends a head a byte at a time: each byte would reset an idle timer,
             # so the head's own clock runs from its first byte.
-            head_due = self._head_started + self._server.head_timeout_seconds
-            if now >= head_due:
+            request_due = self._head_started + self._server.head_timeout_seconds
+            if now >= request_due:
                 self._refuse(408, "request head not received in time")
                 return
         else:
-            head_due = float("inf")
+            request_due = float("inf")
         due = self._last_activity + self._server.keepalive_seconds
         if now >= due:
             self.close()  # idle between requests, or a body that stopped arriving
         else:
-            self._idle_timer = self._loop.call_at(min(due, head_due), self._check_idle)
+            self._idle_timer = self._loop.call_at(min(due, request_due), self._check_idle)
 
 
 class HttpServer:
     """Listens on ``host:port`` (0: any free port, see :attr:`port`) and hands requests to ``handler``."""
 
     def __init__(self, handler: Handler, *, max_body_bytes: int, keepalive_seconds: float = 75.0,
-                 head_timeout_seconds: float = 10.0, max_connections: int = 10_000,
-                 linger_seconds: float = 10.0) -> None:
+                 head_timeout_seconds: float = 10.0, body_timeout_seconds: float = 60.0,
+                 max_connections: int = 10_000, linger_seconds: float = 10.0) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
         #: Idle time allowed between requests, and between the reads of a request body.
         self.keepalive_seconds = keepalive_seconds
         #: Time allowed for a request head, from its first byte (header read timeout).
         self.head_timeout_seconds = head_timeout_seconds
+        #: Time allowed for a request body, from the end of its head (then: 408).
+        self.body_timeout_seconds = body_timeout_seconds
         #: Open client connections at most; one more is answered 503 and closed.
         self.max_connections = max_connections
         #: How long a closing connection may take to send what is buffered before it is aborted.

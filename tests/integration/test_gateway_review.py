@@ -422,6 +422,6 @@ async def test_the_client_side_limits_come_from_the_gateway_config() -> None:
 def test_bad_client_side_limits_are_refused() -> None:
     from llmdiag.config.gateway import GatewayConfig
 
-    for bad in ({"head_timeout_seconds": 0}, {"linger_seconds": float("nan")}, {"max_client_connections": 0}):
+    for bad in ({"head_timeout_seconds": 0}, {"body_timeout_seconds": -1}, {"linger_seconds": float("nan")}, {"max_client_connections": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             GatewayConfig(**bad)

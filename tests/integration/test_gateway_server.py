@@ -292,6 +292,43 @@ async def test_a_slowloris_head_is_cut_off_by_the_head_timeout() -> None:
         await server.stop()
 
 
+async def test_a_body_trickled_byte_by_byte_is_cut_off_by_the_body_timeout() -> None:
+    server = HttpServer(_Echo(), max_body_bytes=100_000, keepalive_seconds=30.0, body_timeout_seconds=0.3)
+    await server.start("127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"POST /a HTTP/1.1\r\nContent-Length: 50000\r\n\r\n")
+
+    async def trickle() -> None:
+        for _ in range(50_000):
+            writer.write(b"a")
+            await asyncio.sleep(0.02)  # each byte well within the keep-alive: only the body's own clock ends it
+
+    sender = asyncio.create_task(trickle())
+    try:
+        line, _, _ = await _read_response(reader)
+        assert line.split(b" ")[1] == b"408"
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+    finally:
+        sender.cancel()
+        writer.close()
+        await server.stop()
+
+
+async def test_a_body_within_its_timeout_is_served_and_the_clock_restarts_per_request() -> None:
+    server = HttpServer(_Echo(), max_body_bytes=1000, keepalive_seconds=30.0, body_timeout_seconds=0.4)
+    await server.start("127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    for _ in range(3):  # 3 x 0.25 s of body on one connection: longer than one body timeout in all
+        writer.write(b"POST /a HTTP/1.1\r\nContent-Length: 5\r\n\r\n")
+        for byte in b"hello":
+            await asyncio.sleep(0.05)
+            writer.write(bytes([byte]))
+        line, _, _ = await _read_response(reader)
+        assert line == b"HTTP/1.1 200 OK"
+    writer.close()
+    await server.stop()
+
+
 async def test_connections_over_the_cap_are_refused() -> None:
     server = HttpServer(_Echo(), max_body_bytes=1000, max_connections=2)
     await server.start("127.0.0.1", 0)
