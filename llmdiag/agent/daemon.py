@@ -47,7 +47,7 @@ from llmdiag.collectors.base import CollectorUsageError, GuardedCollector
 from llmdiag.collectors.kube import PodMetadataReader
 from llmdiag.config import Config
 from llmdiag.config.agent import split_address
-from llmdiag.exporters.prometheus import TICK_BUCKETS, AgentTelemetry, BackendInfo, StateCollector
+from llmdiag.exporters.prometheus import TICK_BUCKETS, AgentTelemetry, BackendInfo, LiveCollector, TickExposition
 from llmdiag.model import Backend, BackendPenalty, CollectorStatus, Snapshot
 
 __all__ = ["Agent", "run_agent"]
@@ -75,9 +75,12 @@ class Agent:
         self._kube = PodMetadataReader(config.proc.proc_root, os.environ.get("NODE_NAME"))
         self.backends = list(backends) if backends is not None else resolve_backends(config, self._kube)
         self.loop = AgentLoop(config, self.backends, clock=clock, keep_closed=config.agent.keep_closed_diagnoses)
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(StateCollector(self._metrics_source))
-        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+        # /metrics: what one tick published is rendered once and served until the next tick;
+        # the counters that move between ticks and the process's own figures, at every scrape.
+        self.live_registry = CollectorRegistry(auto_describe=False)
+        self.live_registry.register(LiveCollector(self._live_telemetry))
+        ProcessCollector(registry=self.live_registry)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+        self.exposition = TickExposition(lambda: (self.loop.state, self._telemetry), self.live_registry)
         self.agent_check = AgentCheckServer(config.agent, self._entries) if config.agent.agent_check_listen else None
         self.prober: AgentProber | None = None
         self.fatal: str | None = None
@@ -148,12 +151,12 @@ class Agent:
             self._entries_cache = (state, entries)
         return entries
 
-    def _metrics_source(self) -> tuple[AgentState, AgentTelemetry]:
-        state, tel = self.loop.state, self._telemetry
+    def _live_telemetry(self) -> AgentTelemetry:
+        """The counters that move between ticks, read at scrape time (the rest is not read)."""
         extra: dict[str, Any] = {"http_unauthorized_total": self._unauthorized}
         if self.agent_check is not None:
             extra["agent_check_requests"], extra["agent_check_unknown_server_total"] = self.agent_check.counters()
-        return state, dataclasses.replace(tel, **extra)
+        return AgentTelemetry(**extra)
 
     def _backend_info(self) -> tuple[BackendInfo, ...]:
         return tuple(BackendInfo(b.name, b.address, b.engine or self._detected_engines.get(b.name, ""),
@@ -348,7 +351,7 @@ class Agent:
                 self._aloop.add_signal_handler(signum, self._on_signal, signum, interrupted)
             except (NotImplementedError, RuntimeError, ValueError):
                 pass  # not the main thread (tests): stop() is the way
-        runner = web.AppRunner(build_app(self, self.registry, self.token), access_log=None, handle_signals=False,
+        runner = web.AppRunner(build_app(self, self.exposition, self.token), access_log=None, handle_signals=False,
                                shutdown_timeout=1.0)
         await runner.setup()
         self._runner = runner
