@@ -152,8 +152,12 @@ class Agent:
         return entries
 
     def _live_telemetry(self) -> AgentTelemetry:
-        """The counters that move between ticks, read at scrape time (the rest is not read)."""
-        extra: dict[str, Any] = {"http_unauthorized_total": self._unauthorized}
+        """What moves between ticks, read at scrape time (the rest is not read): the asyncio
+        thread's counters, and the BPF programs' run-time statistics (``/proc/self/fdinfo``: a
+        file read per program, so once per scrape rather than once per tick)."""
+        run_time, run_count = bpf_stats.program_stats(self._collectors)
+        extra: dict[str, Any] = {"http_unauthorized_total": self._unauthorized, "bpf_run_time_seconds": run_time,
+                                 "bpf_run_count": run_count}
         if self.agent_check is not None:
             extra["agent_check_requests"], extra["agent_check_unknown_server_total"] = self.agent_check.counters()
         return AgentTelemetry(**extra)
@@ -253,7 +257,6 @@ class Agent:
                 key = (d.kind, d.severity.value)
                 self._opened[key] = self._opened.get(key, 0) + 1
             lost = bpf_stats.lost_events(self._collectors)
-            run_time, run_count = bpf_stats.program_stats(self._collectors)
         except Exception:  # noqa: BLE001 - a bug in one tick must not end the agent: log, count, go on
             log.exception("tick failed")
             self._count_missed(1)
@@ -267,8 +270,7 @@ class Agent:
         self._telemetry = AgentTelemetry(
             ticks_total=old.ticks_total + 1, ticks_missed_total=old.ticks_missed_total, tick_bucket_counts=counts,
             tick_seconds_sum=old.tick_seconds_sum + elapsed, last_tick_timestamp=snap.ts, backends=old.backends,
-            diagnoses_opened=dict(self._opened), bpf_lost_events=lost, bpf_run_time_seconds=run_time,
-            bpf_run_count=run_count, collector_seconds=dict(self.collector_seconds),
+            diagnoses_opened=dict(self._opened), bpf_lost_events=lost, collector_seconds=dict(self.collector_seconds),
         )
         self._last_tick_mono = time.monotonic()
 

@@ -21,7 +21,8 @@ The collector only reads what it is given (an :class:`AgentState` and an
 :class:`TickExposition` is what the agent serves: the state only changes once per tick, so the
 text of everything derived from one ``(AgentState, AgentTelemetry)`` pair is rendered once and
 reused by every scrape until the next tick; only the families that move between ticks (the
-agent-check and unauthorized counters, the process's own RSS and CPU) are rendered per scrape.
+agent-check and unauthorized counters, the BPF programs' run-time statistics, the process's own
+RSS and CPU) are rendered per scrape.
 """
 
 from __future__ import annotations
@@ -179,8 +180,8 @@ def _signals(out: _Families, prefix: str, scope_labels: dict[str, str], signals:
 class StateCollector(Collector):
     """prometheus_client custom collector: ``source()`` returns the latest ``(AgentState, AgentTelemetry)``.
 
-    ``live=False`` leaves out the families of counters that move between ticks (agent-check
-    requests, unknown servers, unauthorized requests): :class:`LiveCollector` serves those.
+    ``live=False`` leaves out the families that move between ticks (agent-check requests, unknown
+    servers, unauthorized requests, BPF program run time and runs): :class:`LiveCollector` serves those.
     """
 
     def __init__(self, source: Callable[[], tuple[AgentState, AgentTelemetry]], live: bool = True) -> None:
@@ -269,19 +270,11 @@ class StateCollector(Collector):
                                    labels=["collector"])
         for name, n in sorted(tel.bpf_lost_events.items()):
             lost.add_metric([name], n)
-        run_time = CounterMetricFamily("llmdiag_bpf_run_time_seconds", "In-kernel run time of the agent's BPF programs "
-                                       "(kernel.bpf_stats_enabled=1)", labels=["program"])
-        run_count = CounterMetricFamily("llmdiag_bpf_run_count", "Runs of the agent's BPF programs "
-                                        "(kernel.bpf_stats_enabled=1)", labels=["program"])
-        for prog, seconds in sorted(tel.bpf_run_time_seconds.items()):
-            run_time.add_metric([prog], seconds)
-        for prog, n in sorted(tel.bpf_run_count.items()):
-            run_count.add_metric([prog], n)
         duration = GaugeMetricFamily("llmdiag_collector_duration_seconds", "Seconds the collector took in the last tick",
                                      labels=["collector"])
         for name, seconds in sorted(tel.collector_seconds.items()):
             duration.add_metric([name], seconds)
-        for fam in (up, status, errors, lost, run_time, run_count, duration):
+        for fam in (up, status, errors, lost, duration):
             out.by_name[fam.name] = fam
 
     @staticmethod
@@ -300,7 +293,18 @@ class StateCollector(Collector):
 
 
 def _live_families(tel: AgentTelemetry) -> Iterator[Metric]:
-    """The counters that move between ticks (the asyncio thread counts them at any time)."""
+    """What moves between ticks: the counters the asyncio thread keeps, and the BPF programs'
+    run-time statistics (read from ``/proc/self/fdinfo`` when a scrape asks, not every tick)."""
+    run_time = CounterMetricFamily("llmdiag_bpf_run_time_seconds", "In-kernel run time of the agent's BPF programs "
+                                   "(kernel.bpf_stats_enabled=1)", labels=["program"])
+    run_count = CounterMetricFamily("llmdiag_bpf_run_count", "Runs of the agent's BPF programs "
+                                    "(kernel.bpf_stats_enabled=1)", labels=["program"])
+    for prog, seconds in sorted(tel.bpf_run_time_seconds.items()):
+        run_time.add_metric([prog], seconds)
+    for prog, n in sorted(tel.bpf_run_count.items()):
+        run_count.add_metric([prog], n)
+    yield run_time
+    yield run_count
     req = CounterMetricFamily("llmdiag_agent_check_requests", "HAProxy agent-check connections by result",
                               labels=["result"])
     for result, n in sorted(tel.agent_check_requests.items()):

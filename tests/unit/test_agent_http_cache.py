@@ -98,3 +98,23 @@ def test_http_bodies_follow_the_published_state() -> None:
             await client.close()
 
     asyncio.run(go())
+
+
+def test_bpf_program_statistics_are_read_per_scrape_not_per_tick(monkeypatch) -> None:
+    from llmdiag.agent import bpf_stats
+
+    backends, snaps = _fleet()
+    agent = Agent(CONFIG, backends=backends)
+    reads: list[int] = []
+
+    def stats(collectors, proc_root="/proc"):
+        reads.append(1)
+        return {"tcp/trace_connect": 0.25 * len(reads)}, {"tcp/trace_connect": 10 * len(reads)}
+
+    monkeypatch.setattr(bpf_stats, "program_stats", stats)
+    agent.loop.observe(snaps[0])
+    first = agent.exposition.render()
+    second = agent.exposition.render()
+    assert len(reads) == 2 and agent.exposition.renders == 1
+    assert _values(first, "llmdiag_bpf_run_count_total")["value"] == 10.0
+    assert _values(second, "llmdiag_bpf_run_time_seconds_total")["value"] == 0.5
