@@ -12,10 +12,15 @@ new round read as an engine restart), or, without ``--recording``, from the synt
 ``bench_analyzers.py`` (``--backends``). Per tick, as in the agent with the soak's readers:
 
 * ``AgentLoop.observe`` (analyzers, balancer, the new :class:`AgentState`);
-* ``--penalty-polls`` reads of ``/v1/penalties`` (the document, serialised as the handler does:
-  the soak polls every 0.25 s, i.e. 4 a tick);
-* every ``--scrape-every`` ticks a ``/metrics`` render (``generate_latest`` over the agent's
-  ``StateCollector``) and every ``--state-every`` ticks a ``/v1/state`` document.
+* ``--penalty-polls`` reads of ``/v1/penalties`` (the body the handler sends: the soak polls
+  every 0.25 s, i.e. 4 a tick);
+* every ``--scrape-every`` ticks a ``/metrics`` body and every ``--state-every`` ticks a
+  ``/v1/state`` body.
+
+The bodies are built the way the code under test builds them: with ``llmdiag.agent.http.PerState``
+and ``llmdiag.exporters.prometheus.TickExposition`` where they exist (once per tick), else as the
+handlers of 9de1729 did (every request). So the same script measures a checkout before and after
+(``PYTHONPATH=/path/to/checkout``).
 
 Reported: process CPU (``time.process_time``) per part, mean and p50 over the timed ticks (after
 ``--warm`` ticks), and the Python heap the analyzers keep (``tracemalloc``, only with
@@ -44,6 +49,12 @@ from llmdiag.agent.loop import AgentLoop
 from llmdiag.config import Config
 from llmdiag.exporters.prometheus import AgentTelemetry, BackendInfo, StateCollector
 from llmdiag.model import Backend, Snapshot, read_snapshots
+
+try:  # the once-per-tick bodies (absent before they were introduced)
+    from llmdiag.agent.http import PerState
+    from llmdiag.exporters.prometheus import LiveCollector, TickExposition
+except ImportError:
+    PerState = TickExposition = LiveCollector = None  # type: ignore[assignment,misc]
 
 
 def recorded(path: str) -> list[Snapshot]:
@@ -102,8 +113,20 @@ def main() -> int:
     config = Config()
     loop = AgentLoop(config, backends, keep_closed=config.agent.keep_closed_diagnoses)
     telemetry = AgentTelemetry(backends=tuple(BackendInfo(b.name, b.address) for b in backends))
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(StateCollector(lambda: (loop.state, telemetry)))
+    ttl = config.agent.penalties_ttl_seconds
+    if TickExposition is not None:
+        live = CollectorRegistry(auto_describe=False)
+        live.register(LiveCollector(lambda: AgentTelemetry()))
+        exposition = TickExposition(lambda: (loop.state, telemetry), live)
+        render_metrics = exposition.render
+        penalties_body, state_body = PerState(lambda s: _dumps(s.penalties(ttl).to_json())), PerState(lambda s: _dumps(s.to_json()))
+        penalties, state_doc = (lambda: penalties_body.get(loop.state)), (lambda: state_body.get(loop.state))
+    else:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(StateCollector(lambda: (loop.state, telemetry)))
+        render_metrics = lambda: generate_latest(registry)  # noqa: E731
+        penalties = lambda: _dumps(loop.state.penalties(ttl).to_json())  # noqa: E731
+        state_doc = lambda: _dumps(loop.state.to_json())  # noqa: E731
     marks = sorted(int(t) for t in args.tracemalloc.split(",")) if args.tracemalloc else []
     traces: dict[int, tracemalloc.Snapshot] = {}
     if marks:
@@ -120,14 +143,13 @@ def main() -> int:
         loop.observe(snap)
         c1 = time.process_time()
         for _ in range(args.penalty_polls):
-            _dumps(loop.state.penalties(config.agent.penalties_ttl_seconds).to_json())
+            penalties()
         c2 = time.process_time()
         if args.scrape_every and tick % args.scrape_every == 0:
-            body = generate_latest(registry)
-            metrics_bytes = len(body)
+            metrics_bytes = len(render_metrics())
         c3 = time.process_time()
         if args.state_every and tick % args.state_every == 0:
-            _dumps(loop.state.to_json())
+            state_doc()
         c4 = time.process_time()
         if timed:
             for name, seconds in (("observe", c1 - c0), ("penalties", c2 - c1), ("metrics", c3 - c2),
