@@ -94,6 +94,13 @@ def backends_of(snap: Snapshot) -> list[Backend]:
     return out
 
 
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024 / 1e6
+    return float("nan")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recording", help="a `llmdiag collect --record` file (default: the synthetic fleet)")
@@ -104,6 +111,7 @@ def main() -> int:
     ap.add_argument("--scrape-every", type=int, default=10, help="ticks between /metrics renders (default 10)")
     ap.add_argument("--state-every", type=int, default=0, help="ticks between /v1/state documents (0: never)")
     ap.add_argument("--tracemalloc", metavar="T1,T2", help="trace the heap; print its growth between these ticks")
+    ap.add_argument("--rss", metavar="T1,T2", help="print this process's RSS (VmRSS) at these ticks")
     ap.add_argument("--profile", metavar="FILE", help="cProfile the timed ticks into FILE")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args()
@@ -128,6 +136,7 @@ def main() -> int:
         penalties = lambda: _dumps(loop.state.penalties(ttl).to_json())  # noqa: E731
         state_doc = lambda: _dumps(loop.state.to_json())  # noqa: E731
     marks = sorted(int(t) for t in args.tracemalloc.split(",")) if args.tracemalloc else []
+    rss_marks = {int(t) for t in args.rss.split(",")} if args.rss else set()
     traces: dict[int, tracemalloc.Snapshot] = {}
     if marks:
         tracemalloc.start(1)
@@ -155,6 +164,8 @@ def main() -> int:
             for name, seconds in (("observe", c1 - c0), ("penalties", c2 - c1), ("metrics", c3 - c2),
                                   ("state", c4 - c3), ("total", c4 - c0)):
                 parts[name].append(seconds * 1e3)
+        if tick in rss_marks:
+            print(f"tick {tick}: VmRSS {rss_mb():.1f} MB", file=sys.stderr)
         if tick in marks:
             gc.collect()
             traces[tick] = tracemalloc.take_snapshot()
