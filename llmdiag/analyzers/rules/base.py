@@ -14,6 +14,10 @@ strict condition, which must hold ``for_seconds`` to open) and ``stay``
 rule then gives the exit threshold in its evidence (:func:`bar` picks it),
 and :meth:`Rule.finding` says "holding" in the summary, so that an open
 diagnosis never shows a value under the threshold it seems to need.
+
+:meth:`Rule.explained` makes the same finding with its summary and evidence
+built by a function, only when the analyzer needs them (a diagnosis opens or
+stays open): most subjects, most ticks, need neither.
 """
 
 from __future__ import annotations
