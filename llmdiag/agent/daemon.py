@@ -155,7 +155,11 @@ class Agent:
         """What moves between ticks, read at scrape time (the rest is not read): the asyncio
         thread's counters, and the BPF programs' run-time statistics (``/proc/self/fdinfo``: a
         file read per program, so once per scrape rather than once per tick)."""
-        run_time, run_count = bpf_stats.program_stats(self._collectors)
+        try:
+            run_time, run_count = bpf_stats.program_stats(self._collectors)
+        except Exception as exc:  # noqa: BLE001 - a metric must never break the scrape
+            log.debug("BPF program statistics unreadable: %s", exc)
+            run_time, run_count = {}, {}
         extra: dict[str, Any] = {"http_unauthorized_total": self._unauthorized, "bpf_run_time_seconds": run_time,
                                  "bpf_run_count": run_count}
         if self.agent_check is not None:

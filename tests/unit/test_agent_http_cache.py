@@ -118,3 +118,18 @@ def test_bpf_program_statistics_are_read_per_scrape_not_per_tick(monkeypatch) ->
     assert len(reads) == 2 and agent.exposition.renders == 1
     assert _values(first, "llmdiag_bpf_run_count_total")["value"] == 10.0
     assert _values(second, "llmdiag_bpf_run_time_seconds_total")["value"] == 0.5
+
+
+def test_a_failing_bpf_statistics_read_never_breaks_the_scrape(monkeypatch) -> None:
+    from llmdiag.agent import bpf_stats
+
+    backends, snaps = _fleet()
+    agent = Agent(CONFIG, backends=backends)
+
+    def broken(collectors, proc_root="/proc"):
+        raise RuntimeError("program closed under us")
+
+    monkeypatch.setattr(bpf_stats, "program_stats", broken)
+    agent.loop.observe(snaps[0])
+    text = agent.exposition.render().decode()
+    assert "llmdiag_backend_score" in text and "llmdiag_bpf_run_count_total{" not in text
