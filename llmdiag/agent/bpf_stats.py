@@ -1,4 +1,5 @@
-"""What the agent's BPF programs cost and lose, read once per tick for ``/metrics``.
+"""What the agent's BPF programs cost and lose, for ``/metrics``: lost events are read once per
+tick, run-time statistics once per scrape (the agent's ``TickExposition`` live part).
 
 * lost events: :meth:`llmdiag.bpf.loader.Program.errors` (``lost_events``) of each collector's program;
 * in-kernel run time and run count per program: the ``run_time_ns`` and ``run_cnt`` lines of

@@ -47,7 +47,7 @@ from llmdiag.collectors.base import CollectorUsageError, GuardedCollector
 from llmdiag.collectors.kube import PodMetadataReader
 from llmdiag.config import Config
 from llmdiag.config.agent import split_address
-from llmdiag.exporters.prometheus import TICK_BUCKETS, AgentTelemetry, BackendInfo, StateCollector
+from llmdiag.exporters.prometheus import TICK_BUCKETS, AgentTelemetry, BackendInfo, LiveCollector, TickExposition
 from llmdiag.model import Backend, BackendPenalty, CollectorStatus, Snapshot
 
 __all__ = ["Agent", "run_agent"]
@@ -75,9 +75,12 @@ class Agent:
         self._kube = PodMetadataReader(config.proc.proc_root, os.environ.get("NODE_NAME"))
         self.backends = list(backends) if backends is not None else resolve_backends(config, self._kube)
         self.loop = AgentLoop(config, self.backends, clock=clock, keep_closed=config.agent.keep_closed_diagnoses)
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(StateCollector(self._metrics_source))
-        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+        # /metrics: what one tick published is rendered once and served until the next tick;
+        # the counters that move between ticks and the process's own figures, at every scrape.
+        self.live_registry = CollectorRegistry(auto_describe=False)
+        self.live_registry.register(LiveCollector(self._live_telemetry))
+        ProcessCollector(registry=self.live_registry)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+        self.exposition = TickExposition(lambda: (self.loop.state, self._telemetry), self.live_registry)
         self.agent_check = AgentCheckServer(config.agent, self._entries) if config.agent.agent_check_listen else None
         self.prober: AgentProber | None = None
         self.fatal: str | None = None
@@ -148,12 +151,20 @@ class Agent:
             self._entries_cache = (state, entries)
         return entries
 
-    def _metrics_source(self) -> tuple[AgentState, AgentTelemetry]:
-        state, tel = self.loop.state, self._telemetry
-        extra: dict[str, Any] = {"http_unauthorized_total": self._unauthorized}
+    def _live_telemetry(self) -> AgentTelemetry:
+        """What moves between ticks, read at scrape time (the rest is not read): the asyncio
+        thread's counters, and the BPF programs' run-time statistics (``/proc/self/fdinfo``: a
+        file read per program, so once per scrape rather than once per tick)."""
+        try:
+            run_time, run_count = bpf_stats.program_stats(self._collectors)
+        except Exception as exc:  # noqa: BLE001 - a metric must never break the scrape
+            log.debug("BPF program statistics unreadable: %s", exc)
+            run_time, run_count = {}, {}
+        extra: dict[str, Any] = {"http_unauthorized_total": self._unauthorized, "bpf_run_time_seconds": run_time,
+                                 "bpf_run_count": run_count}
         if self.agent_check is not None:
             extra["agent_check_requests"], extra["agent_check_unknown_server_total"] = self.agent_check.counters()
-        return state, dataclasses.replace(tel, **extra)
+        return AgentTelemetry(**extra)
 
     def _backend_info(self) -> tuple[BackendInfo, ...]:
         return tuple(BackendInfo(b.name, b.address, b.engine or self._detected_engines.get(b.name, ""),
@@ -250,7 +261,6 @@ class Agent:
                 key = (d.kind, d.severity.value)
                 self._opened[key] = self._opened.get(key, 0) + 1
             lost = bpf_stats.lost_events(self._collectors)
-            run_time, run_count = bpf_stats.program_stats(self._collectors)
         except Exception:  # noqa: BLE001 - a bug in one tick must not end the agent: log, count, go on
             log.exception("tick failed")
             self._count_missed(1)
@@ -264,8 +274,7 @@ class Agent:
         self._telemetry = AgentTelemetry(
             ticks_total=old.ticks_total + 1, ticks_missed_total=old.ticks_missed_total, tick_bucket_counts=counts,
             tick_seconds_sum=old.tick_seconds_sum + elapsed, last_tick_timestamp=snap.ts, backends=old.backends,
-            diagnoses_opened=dict(self._opened), bpf_lost_events=lost, bpf_run_time_seconds=run_time,
-            bpf_run_count=run_count, collector_seconds=dict(self.collector_seconds),
+            diagnoses_opened=dict(self._opened), bpf_lost_events=lost, collector_seconds=dict(self.collector_seconds),
         )
         self._last_tick_mono = time.monotonic()
 
@@ -348,7 +357,7 @@ class Agent:
                 self._aloop.add_signal_handler(signum, self._on_signal, signum, interrupted)
             except (NotImplementedError, RuntimeError, ValueError):
                 pass  # not the main thread (tests): stop() is the way
-        runner = web.AppRunner(build_app(self, self.registry, self.token), access_log=None, handle_signals=False,
+        runner = web.AppRunner(build_app(self, self.exposition, self.token), access_log=None, handle_signals=False,
                                shutdown_timeout=1.0)
         await runner.setup()
         self._runner = runner

@@ -11,6 +11,10 @@ path               body                                                        t
 
 With a bearer token configured, every path but ``/healthz`` answers 401 without
 ``Authorization: Bearer <token>``. Handlers only read the latest immutable state.
+
+The state changes once per tick and gateways poll ``/v1/penalties`` several times a tick, so
+each body is built on the first request after a tick and served as it is until the next
+(:class:`PerState`; ``/metrics``: :class:`llmdiag.exporters.prometheus.TickExposition`).
 """
 
 from __future__ import annotations
@@ -19,13 +23,18 @@ import asyncio
 import hmac
 import json
 import math
+import threading
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
-__all__ = ["build_app"]
+from llmdiag.exporters.prometheus import TickExposition
+
+__all__ = ["PerState", "build_app"]
+
+S = TypeVar("S")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -48,11 +57,28 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(text=_dumps(obj), status=status, content_type="application/json")
+class PerState(Generic[S]):
+    """``build(state) -> str``, called once per published state (compared by identity: a state is
+    replaced, never mutated); :meth:`get` from any thread."""
+
+    def __init__(self, build: Callable[[S], str]) -> None:
+        self._build = build
+        self._state: S | None = None
+        self._body = ""
+        self._lock = threading.Lock()
+        #: How many bodies were built (tests).
+        self.builds = 0
+
+    def get(self, state: S) -> str:
+        with self._lock:
+            if self._state is not state:
+                self._body = self._build(state)
+                self._state = state
+                self.builds += 1
+            return self._body
 
 
-def build_app(agent: Any, registry: CollectorRegistry, token: str | None) -> web.Application:
+def build_app(agent: Any, exposition: TickExposition, token: str | None) -> web.Application:
     """The aiohttp application over ``agent`` (:class:`llmdiag.agent.daemon.Agent`)."""
     expected = f"Bearer {token}".encode() if token else None
 
@@ -69,15 +95,19 @@ def build_app(agent: Any, registry: CollectorRegistry, token: str | None) -> web
     # Rendering a large state takes milliseconds: off the event loop, so that agent-check
     # answers never wait behind a scrape.
     async def metrics(request: web.Request) -> web.Response:
-        body = await asyncio.get_running_loop().run_in_executor(None, generate_latest, registry)
+        body = await asyncio.get_running_loop().run_in_executor(None, exposition.render)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    ttl = agent.config.agent.penalties_ttl_seconds
+    penalties_body = PerState(lambda s: _dumps(s.penalties(ttl).to_json()))
+    state_body = PerState(lambda s: _dumps(s.to_json()))
+
     async def penalties(request: web.Request) -> web.Response:
-        return _json(agent.state.penalties(agent.config.agent.penalties_ttl_seconds).to_json())
+        return web.Response(text=penalties_body.get(agent.state), content_type="application/json")
 
     async def state(request: web.Request) -> web.Response:
         snapshot = agent.state  # one state for the whole answer
-        text = await asyncio.get_running_loop().run_in_executor(None, _dumps, snapshot.to_json())
+        text = await asyncio.get_running_loop().run_in_executor(None, state_body.get, snapshot)
         return web.Response(text=text, content_type="application/json")
 
     async def healthz(request: web.Request) -> web.Response:

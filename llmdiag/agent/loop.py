@@ -227,6 +227,7 @@ class AgentLoop:
     ) -> None:
         self.config = config
         self.backends = list(backends)
+        self._addresses, self._labels = _backend_tables(self.backends)
         self.analyzer = Analyzer(config, backends=self.backends)
         self.clock = clock
         self._now: float | None = None
@@ -255,6 +256,7 @@ class AgentLoop:
         """A new backend set (discovery, config): known names keep their balancer state."""
         with self._write_lock:
             self.backends = list(backends)
+            self._addresses, self._labels = _backend_tables(self.backends)
             self.balancer.set_backends(self.backends)
 
     def mark_restarted(self, name: str) -> None:
@@ -281,9 +283,7 @@ class AgentLoop:
             enforced = self.analyzer.enforced
             self._closed.extend(Episode(d, result.ts, enforced.get(d.kind, True)) for d in result.closed)
             self._ticks += 1
-            addresses = {b.name: b.address for b in self.backends}
-            labels = {b.name: b.labels for b in self.backends if b.labels}
-            entries = backend_entries(result.backends, addresses, self.balancer.snapshot_states(), labels)
+            entries = backend_entries(result.backends, self._addresses, self.balancer.snapshot_states(), self._labels)
             deadlines = self._wall_deadlines(snap.ts)
             self._state = AgentState(
                 ts=snap.ts,
@@ -309,6 +309,12 @@ class AgentLoop:
         return {name: (None if d.cooling_until is None else d.cooling_until + offset,
                        None if d.ejected_until is None else d.ejected_until + offset)
                 for name, d in self.balancer.deadlines().items()}
+
+
+def _backend_tables(backends: list[Backend]) -> tuple[dict[str, str], dict[str, Mapping[str, str]]]:
+    """Address and labels by backend name: built when the backend set changes, not every tick
+    (``Backend.address`` parses the URL on every call)."""
+    return {b.name: b.address for b in backends}, {b.name: b.labels for b in backends if b.labels}
 
 
 def analyze(snapshots: Iterable[Snapshot], analyzer: Analyzer | AgentLoop, source: str = "") -> DiagnoseReport:

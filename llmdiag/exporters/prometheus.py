@@ -17,16 +17,24 @@ Names follow docs/agent.md (agreed with the deployment's alerts and dashboard):
 
 The collector only reads what it is given (an :class:`AgentState` and an
 :class:`AgentTelemetry`, both immutable); it does no IO, so a scrape never waits on a collector.
+
+:class:`TickExposition` is what the agent serves: the state only changes once per tick, so the
+text of everything derived from one ``(AgentState, AgentTelemetry)`` pair is rendered once and
+reused by every scrape until the next tick; only the families that move between ticks (the
+agent-check and unauthorized counters, the BPF programs' run-time statistics, the process's own
+RSS and CPU) are rendered per scrape.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
@@ -47,7 +55,7 @@ class AgentState(Protocol):
     @property
     def collectors(self) -> Mapping[str, CollectorStatus]: ...
 
-__all__ = ["TICK_BUCKETS", "AgentTelemetry", "BackendInfo", "StateCollector"]
+__all__ = ["TICK_BUCKETS", "AgentTelemetry", "BackendInfo", "LiveCollector", "StateCollector", "TickExposition"]
 
 #: Upper bounds of the tick duration histogram, in seconds.
 TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -170,10 +178,15 @@ def _signals(out: _Families, prefix: str, scope_labels: dict[str, str], signals:
 
 
 class StateCollector(Collector):
-    """prometheus_client custom collector: ``source()`` returns the latest ``(AgentState, AgentTelemetry)``."""
+    """prometheus_client custom collector: ``source()`` returns the latest ``(AgentState, AgentTelemetry)``.
 
-    def __init__(self, source: Callable[[], tuple[AgentState, AgentTelemetry]]) -> None:
+    ``live=False`` leaves out the families that move between ticks (agent-check requests, unknown
+    servers, unauthorized requests, BPF program run time and runs): :class:`LiveCollector` serves those.
+    """
+
+    def __init__(self, source: Callable[[], tuple[AgentState, AgentTelemetry]], live: bool = True) -> None:
         self._source = source
+        self._live = live
 
     def describe(self) -> list[Metric]:
         return []  # families depend on the signals present: collected at scrape time only
@@ -195,6 +208,8 @@ class StateCollector(Collector):
         self._collectors(out, state, tel)
         yield from out.by_name.values()
         yield from self._agent(tel)
+        if self._live:
+            yield from _live_families(tel)
 
     # -- families -------------------------------------------------------------
     @staticmethod
@@ -255,19 +270,11 @@ class StateCollector(Collector):
                                    labels=["collector"])
         for name, n in sorted(tel.bpf_lost_events.items()):
             lost.add_metric([name], n)
-        run_time = CounterMetricFamily("llmdiag_bpf_run_time_seconds", "In-kernel run time of the agent's BPF programs "
-                                       "(kernel.bpf_stats_enabled=1)", labels=["program"])
-        run_count = CounterMetricFamily("llmdiag_bpf_run_count", "Runs of the agent's BPF programs "
-                                        "(kernel.bpf_stats_enabled=1)", labels=["program"])
-        for prog, seconds in sorted(tel.bpf_run_time_seconds.items()):
-            run_time.add_metric([prog], seconds)
-        for prog, n in sorted(tel.bpf_run_count.items()):
-            run_count.add_metric([prog], n)
         duration = GaugeMetricFamily("llmdiag_collector_duration_seconds", "Seconds the collector took in the last tick",
                                      labels=["collector"])
         for name, seconds in sorted(tel.collector_seconds.items()):
             duration.add_metric([name], seconds)
-        for fam in (up, status, errors, lost, run_time, run_count, duration):
+        for fam in (up, status, errors, lost, duration):
             out.by_name[fam.name] = fam
 
     @staticmethod
@@ -283,12 +290,78 @@ class StateCollector(Collector):
         yield CounterMetricFamily("llmdiag_ticks", "Ticks finished", value=tel.ticks_total)
         yield CounterMetricFamily("llmdiag_ticks_missed", "Ticks skipped because the previous one ran late",
                                   value=tel.ticks_missed_total)
-        req = CounterMetricFamily("llmdiag_agent_check_requests", "HAProxy agent-check connections by result",
-                                  labels=["result"])
-        for result, n in sorted(tel.agent_check_requests.items()):
-            req.add_metric([result], n)
-        yield req
-        yield CounterMetricFamily("llmdiag_agent_check_unknown_server", "Agent-check requests naming no known backend "
-                                  "(answered ready up 100%)", value=tel.agent_check_unknown_server_total)
-        yield CounterMetricFamily("llmdiag_http_unauthorized", "HTTP requests refused for a missing or wrong bearer token",
-                                  value=tel.http_unauthorized_total)
+
+
+def _live_families(tel: AgentTelemetry) -> Iterator[Metric]:
+    """What moves between ticks: the counters the asyncio thread keeps, and the BPF programs'
+    run-time statistics (read from ``/proc/self/fdinfo`` when a scrape asks, not every tick)."""
+    run_time = CounterMetricFamily("llmdiag_bpf_run_time_seconds", "In-kernel run time of the agent's BPF programs "
+                                   "(kernel.bpf_stats_enabled=1)", labels=["program"])
+    run_count = CounterMetricFamily("llmdiag_bpf_run_count", "Runs of the agent's BPF programs "
+                                    "(kernel.bpf_stats_enabled=1)", labels=["program"])
+    for prog, seconds in sorted(tel.bpf_run_time_seconds.items()):
+        run_time.add_metric([prog], seconds)
+    for prog, n in sorted(tel.bpf_run_count.items()):
+        run_count.add_metric([prog], n)
+    yield run_time
+    yield run_count
+    req = CounterMetricFamily("llmdiag_agent_check_requests", "HAProxy agent-check connections by result",
+                              labels=["result"])
+    for result, n in sorted(tel.agent_check_requests.items()):
+        req.add_metric([result], n)
+    yield req
+    yield CounterMetricFamily("llmdiag_agent_check_unknown_server", "Agent-check requests naming no known backend "
+                              "(answered ready up 100%)", value=tel.agent_check_unknown_server_total)
+    yield CounterMetricFamily("llmdiag_http_unauthorized", "HTTP requests refused for a missing or wrong bearer token",
+                              value=tel.http_unauthorized_total)
+
+
+class LiveCollector(Collector):
+    """The families :class:`StateCollector` leaves out with ``live=False``; ``source()`` returns an
+    :class:`AgentTelemetry` whose live counters are current (the others are not read)."""
+
+    def __init__(self, source: Callable[[], AgentTelemetry]) -> None:
+        self._source = source
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from _live_families(self._source())
+
+
+class TickExposition:
+    """The ``/metrics`` body: the tick's families rendered once per tick, the live ones per scrape.
+
+    ``tick_source()`` returns the published ``(AgentState, AgentTelemetry)``; both are replaced (never
+    mutated) when a tick ends, so the pair's identity says whether the cached text is still the
+    current one. ``live`` is a registry of what moves between ticks (:class:`LiveCollector`,
+    prometheus_client's ``ProcessCollector``), rendered on every call. :meth:`render` is safe from
+    any thread; concurrent scrapes of a new tick render it once.
+    """
+
+    def __init__(self, tick_source: Callable[[], tuple[AgentState, AgentTelemetry]], live: CollectorRegistry) -> None:
+        self._tick_source = tick_source
+        self._live = live
+        self._pair: tuple[AgentState, AgentTelemetry] | None = None
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(StateCollector(self._current, live=False))
+        self._text = b""
+        self._lock = threading.Lock()
+        #: How many times the tick's families were rendered (tests, benchmarks).
+        self.renders = 0
+
+    def _current(self) -> tuple[AgentState, AgentTelemetry]:
+        assert self._pair is not None
+        return self._pair
+
+    def render(self) -> bytes:
+        state, tel = self._tick_source()
+        with self._lock:
+            pair = self._pair
+            if pair is None or pair[0] is not state or pair[1] is not tel:
+                self._pair = (state, tel)
+                self._text = generate_latest(self._registry)
+                self.renders += 1
+            text = self._text
+        return text + generate_latest(self._live)

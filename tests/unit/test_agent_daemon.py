@@ -5,8 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
-from prometheus_client import generate_latest
-
 from llmdiag.agent.daemon import STARTUP_GRACE_SECONDS, Agent
 from llmdiag.config import Config
 from llmdiag.model import Backend
@@ -40,7 +38,7 @@ def test_backend_info_carries_kubernetes_labels() -> None:
     labelled = Backend.from_url("http://10.244.7.21:8000", name="vllm-a", engine="vllm",
                                 labels={"pod": "vllm-a-0", "namespace": "llm", "container": "vllm", "node": "gpu-7"})
     agent = Agent(CONFIG, backends=[labelled, Backend.from_url("http://127.0.0.1:9000", name="plain")])
-    text = generate_latest(agent.registry).decode()
+    text = agent.exposition.render().decode()
     assert ('llmdiag_backend_info{address="10.244.7.21:8000",backend="vllm-a",container="vllm",engine="vllm",'
             'namespace="llm",node="gpu-7",pod="vllm-a-0"} 1.0') in text
     assert 'llmdiag_backend_info{address="127.0.0.1:9000",backend="plain",container="",engine="",' in text
@@ -82,7 +80,7 @@ def test_backend_info_takes_the_engine_detected_by_the_first_scrape() -> None:
     with metrics_server(body) as server:
         given = Backend.from_url(server.url, name="sgl")  # --backend URL: no engine given
         agent = Agent(CONFIG, backends=[given])
-        assert 'engine=""' in generate_latest(agent.registry).decode()
+        assert 'engine=""' in agent.exposition.render().decode()
         agent._collectors, unavailable = build_collectors(CONFIG, agent.backends, ["engine"])
         agent._collect_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
         try:
@@ -93,7 +91,7 @@ def test_backend_info_takes_the_engine_detected_by_the_first_scrape() -> None:
             for c in agent._collectors:
                 c.close()
     assert agent.state.snapshot is not None and agent.state.snapshot.backends["sgl"]["up"] == 1
-    text = generate_latest(agent.registry).decode()
+    text = agent.exposition.render().decode()
     assert 'llmdiag_backend_info{address="127.0.0.1:%d",backend="sgl",container="",engine="sglang",' % server.port in text
     assert agent.backends[0].engine is None  # the given backend is left as it was
 

@@ -190,17 +190,21 @@ class EngineStalled(Rule[EngineStalledConfig]):
             stay = stalled_for > 0
             where = f"engine {label}: " if label else ""
             prefix = f"engines[{label}]." if label else ""
-            evidence = [
-                ev(f"{prefix}requests_running", running, None, None),
-                ev(f"{prefix}requests_waiting", waiting, None, None),
-                ev(f"{prefix}engine_steps_total + prompt and generation tokens (increase)", 0.0, 0.0, stalled_for or None),
-                ev("stalled_seconds", stalled_for, cfg.stalled_seconds, None),
-            ]
-            summary = (
-                f"{where}no engine step and no token for {_secs(stalled_for)} "
-                f"with {running:g} running and {waiting:g} waiting"
-            )
-            yield b, "", self.finding(enter, stay, Severity.CRITICAL, summary, evidence, 0.9)
+
+            def explain() -> tuple[str, list[Evidence]]:
+                evidence = [
+                    ev(f"{prefix}requests_running", running, None, None),
+                    ev(f"{prefix}requests_waiting", waiting, None, None),
+                    ev(f"{prefix}engine_steps_total + prompt and generation tokens (increase)", 0.0, 0.0, stalled_for or None),
+                    ev("stalled_seconds", stalled_for, cfg.stalled_seconds, None),
+                ]
+                summary = (
+                    f"{where}no engine step and no token for {_secs(stalled_for)} "
+                    f"with {running:g} running and {waiting:g} waiting"
+                )
+                return summary, evidence
+
+            yield b, "", self.explained(enter, stay, Severity.CRITICAL, explain, 0.9)
 
 
 def _stall(ctx: Context, scope: str, subject: str) -> tuple[float, float, float] | None:

@@ -14,12 +14,15 @@ strict condition, which must hold ``for_seconds`` to open) and ``stay``
 rule then gives the exit threshold in its evidence (:func:`bar` picks it),
 and :meth:`Rule.finding` says "holding" in the summary, so that an open
 diagnosis never shows a value under the threshold it seems to need.
+
+:meth:`Rule.explained` makes the same finding with its summary and evidence
+built by a function, only when the analyzer needs them (a diagnosis opens or
+stays open): most subjects, most ticks, need neither.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import ClassVar, Generic, TypeVar
 
 from llmdiag.analyzers.context import Context
@@ -31,15 +34,49 @@ __all__ = ["Finding", "Rule", "Verdict", "bar", "ev"]
 C = TypeVar("C", bound=RuleConfig)
 
 
-@dataclass(frozen=True, slots=True)
 class Finding:
-    enter: bool
-    stay: bool
-    severity: Severity
-    summary: str
-    evidence: tuple[Evidence, ...]
-    confidence: float
-    penalty: float
+    """One rule's verdict on one subject this tick: ``enter``/``stay`` for hysteresis, the severity,
+    confidence and penalty, and the ``summary`` and ``evidence`` a person reads.
+
+    The summary and evidence are only needed when a diagnosis opens or stays open, and most
+    findings (a healthy backend, every tick) do neither, so a rule may hand over an ``explain``
+    function instead, called at most once, the first time either is read. An ``explain`` may read
+    the rule's loop variables: the analyzer reads a finding before it resumes the rule's
+    generator (``Analyzer.observe``); a caller that keeps findings past that must read them first.
+    """
+
+    __slots__ = ("enter", "stay", "severity", "confidence", "penalty", "_summary", "_evidence", "_explain")
+
+    def __init__(self, enter: bool, stay: bool, severity: Severity, summary: str, evidence: tuple[Evidence, ...],
+                 confidence: float, penalty: float,
+                 explain: Callable[[], tuple[str, tuple[Evidence, ...]]] | None = None) -> None:
+        self.enter = enter
+        self.stay = stay
+        self.severity = severity
+        self.confidence = confidence
+        self.penalty = penalty
+        self._summary = summary
+        self._evidence = evidence
+        self._explain = explain
+
+    def _explained(self) -> None:
+        explain, self._explain = self._explain, None
+        if explain is not None:
+            self._summary, self._evidence = explain()
+
+    @property
+    def summary(self) -> str:
+        self._explained()
+        return self._summary
+
+    @property
+    def evidence(self) -> tuple[Evidence, ...]:
+        self._explained()
+        return self._evidence
+
+    def __repr__(self) -> str:
+        return (f"Finding(enter={self.enter}, stay={self.stay}, severity={self.severity}, summary={self.summary!r}, "
+                f"evidence={self.evidence!r}, confidence={self.confidence}, penalty={self.penalty})")
 
 
 Verdict = tuple[str, str, Finding | None]
@@ -68,7 +105,33 @@ class Rule(Generic[C]):
         """A finding whose penalty follows the severity unless given (info defaults to 0)."""
         holding = bool(stay) and not enter
         if holding and "holding" not in summary:
-            summary += " (holding: past the exit threshold, no longer the enter one)"
+            summary += _HOLDING
+        return Finding(enter or False, stay or enter or False, severity, summary, tuple(evidence),
+                       max(0.0, min(1.0, confidence)), self._penalty(severity, penalty))
+
+    def explained(
+        self,
+        enter: bool,
+        stay: bool,
+        severity: Severity,
+        explain: Callable[[], tuple[str, Iterable[Evidence]]],
+        confidence: float,
+        penalty: float | None = None,
+    ) -> Finding:
+        """:meth:`finding` with the summary and evidence from ``explain()``, called only if they are
+        read (see :class:`Finding`): the same finding, without building text nobody reads."""
+        holding = bool(stay) and not enter
+
+        def resolve() -> tuple[str, tuple[Evidence, ...]]:
+            summary, evidence = explain()
+            if holding and "holding" not in summary:
+                summary += _HOLDING
+            return summary, tuple(evidence)
+
+        return Finding(enter or False, stay or enter or False, severity, "", (), max(0.0, min(1.0, confidence)),
+                       self._penalty(severity, penalty), resolve)
+
+    def _penalty(self, severity: Severity, penalty: float | None) -> float:
         if penalty is None:
             # A branch, not a dict built per call: every rule makes a finding per subject per tick.
             if severity is Severity.CRITICAL:
@@ -79,15 +142,10 @@ class Rule(Generic[C]):
                 penalty = 0.0
             else:
                 raise KeyError(severity)
-        return Finding(
-            enter=enter or False,
-            stay=stay or enter or False,
-            severity=severity,
-            summary=summary,
-            evidence=tuple(evidence),
-            confidence=max(0.0, min(1.0, confidence)),
-            penalty=max(0.0, min(1.0, penalty)),
-        )
+        return max(0.0, min(1.0, penalty))
+
+
+_HOLDING = " (holding: past the exit threshold, no longer the enter one)"
 
 
 def bar(enter: bool, enter_threshold: float, exit_threshold: float) -> float:

@@ -12,7 +12,7 @@ from llmdiag.config.analyzers import (
     KvCacheSaturationConfig,
     QueueAvalancheConfig,
 )
-from llmdiag.model import Severity
+from llmdiag.model import Evidence, Severity
 
 __all__ = [
     "CLIENT_REASONS",
@@ -61,13 +61,6 @@ class KvCacheSaturation(Rule[KvCacheSaturationConfig]):
             queued = waiting is not None and waiting[1] > 0
             enter = (usage is not None and usage >= cfg.enter) or preempting
             stay = (usage is not None and usage >= cfg.exit) or preempting
-            evidence = []
-            if usage is not None:
-                evidence.append(ev(kv_name, usage, bar(enter, cfg.enter, cfg.exit), cfg.for_seconds))
-            if preempted is not None:
-                evidence.append(ev("preemptions_total (increase)", preempted, 0.0, cfg.preemption_window_seconds))
-            if waiting is not None:
-                evidence.append(ev(waiting[0], waiting[1], 0.0, None))
             penalty = None
             if preempting and usage is not None and usage >= cfg.critical_usage:
                 severity = Severity.CRITICAL
@@ -75,12 +68,23 @@ class KvCacheSaturation(Rule[KvCacheSaturationConfig]):
                 severity = Severity.WARNING
             else:
                 severity, penalty = Severity.INFO, cfg.info_penalty
-            pct = "n/a" if usage is None else f"{usage:.0%}"
-            what = f"KV cache {pct} full" + (f", {preempted:g} preemptions in {cfg.preemption_window_seconds:g}s" if preempting else "")
-            if queued:
-                what += f", {waiting[1]:g} waiting"
+
+            def explain() -> tuple[str, list[Evidence]]:
+                evidence = []
+                if usage is not None:
+                    evidence.append(ev(kv_name, usage, bar(enter, cfg.enter, cfg.exit), cfg.for_seconds))
+                if preempted is not None:
+                    evidence.append(ev("preemptions_total (increase)", preempted, 0.0, cfg.preemption_window_seconds))
+                if waiting is not None:
+                    evidence.append(ev(waiting[0], waiting[1], 0.0, None))
+                pct = "n/a" if usage is None else f"{usage:.0%}"
+                what = f"KV cache {pct} full" + (f", {preempted:g} preemptions in {cfg.preemption_window_seconds:g}s" if preempting else "")
+                if queued:
+                    what += f", {waiting[1]:g} waiting"
+                return what, evidence
+
             confidence = 0.9 if (preempting and usage is not None and usage >= cfg.enter) else 0.7
-            yield b, "", self.finding(enter, stay, severity, what, evidence, confidence, penalty)
+            yield b, "", self.explained(enter, stay, severity, explain, confidence, penalty)
 
 
 class QueueAvalanche(Rule[QueueAvalancheConfig]):
@@ -124,21 +128,25 @@ class QueueAvalanche(Rule[QueueAvalancheConfig]):
                         rising_unit = (name, waiting, ago)
                 if waiting >= cfg.waiting_exit or (waiting > 0 and slow_stay):
                     stay = True
-            evidence = [ev(worst[0], worst[1], bar(enter, cfg.waiting_enter, cfg.waiting_exit), None)]
-            if rising_unit is not None:
-                evidence.append(ev(f"{rising_unit[0]} {cfg.rise_window_seconds:g}s ago", rising_unit[2], "< now", cfg.rise_window_seconds))
-            if ttft is not None:
-                ttft_bar = None if base is None else base * bar(enter, cfg.ttft_ratio_enter, cfg.ttft_ratio_exit)
-                evidence.append(ev("ttft_seconds.ewma", ttft, ttft_bar if ttft_bar is not None else "baseline warming up", ctx.config.baseline_seconds))
+
+            def explain() -> tuple[str, list[Evidence]]:
+                evidence = [ev(worst[0], worst[1], bar(enter, cfg.waiting_enter, cfg.waiting_exit), None)]
+                if rising_unit is not None:
+                    evidence.append(ev(f"{rising_unit[0]} {cfg.rise_window_seconds:g}s ago", rising_unit[2], "< now", cfg.rise_window_seconds))
+                if ttft is not None:
+                    ttft_bar = None if base is None else base * bar(enter, cfg.ttft_ratio_enter, cfg.ttft_ratio_exit)
+                    evidence.append(ev("ttft_seconds.ewma", ttft, ttft_bar if ttft_bar is not None else "baseline warming up", ctx.config.baseline_seconds))
+                summary = f"{worst[1]:g} requests waiting"
+                if ratio is not None:
+                    summary += f", TTFT {ttft:.2f}s = {ratio:.1f}x its baseline"
+                return summary, evidence
+
             critical = worst[1] >= cfg.critical_factor * cfg.waiting_enter or (
                 ratio is not None and ratio >= 2 * cfg.ttft_ratio_enter and slow_enter
             )
             severity = Severity.CRITICAL if critical else Severity.WARNING
-            summary = f"{worst[1]:g} requests waiting"
-            if ratio is not None:
-                summary += f", TTFT {ttft:.2f}s = {ratio:.1f}x its baseline"
             confidence = 0.9 if (slow_enter and worst[1] > 0) else 0.75
-            yield b, "", self.finding(enter, stay, severity, summary, evidence, confidence)
+            yield b, "", self.explained(enter, stay, severity, explain, confidence)
 
 
 class FalseHealthy(Rule[FalseHealthyConfig]):
@@ -165,13 +173,16 @@ class FalseHealthy(Rule[FalseHealthyConfig]):
             enter = ttft >= cfg.ttft_enter_seconds and peers_normal
             stay = ttft >= cfg.ttft_exit_seconds and peers_normal
             severity = Severity.CRITICAL if ttft >= cfg.critical_factor * cfg.ttft_enter_seconds else Severity.WARNING
-            evidence = [
-                ev("up", 1.0, 1.0, None),
-                ev("ttft_seconds.ewma", ttft, bar(enter, cfg.ttft_enter_seconds, cfg.ttft_exit_seconds), cfg.for_seconds),
-                ev("peers ttft_seconds.ewma (median)", peers, f"< {normal_bar:g}", None),
-            ]
-            summary = f"/health answers but TTFT is {ttft:.2f}s while peers serve in {peers:.2f}s"
-            yield b, "", self.finding(enter, stay, severity, summary, evidence, 0.85)
+
+            def explain() -> tuple[str, list[Evidence]]:
+                evidence = [
+                    ev("up", 1.0, 1.0, None),
+                    ev("ttft_seconds.ewma", ttft, bar(enter, cfg.ttft_enter_seconds, cfg.ttft_exit_seconds), cfg.for_seconds),
+                    ev("peers ttft_seconds.ewma (median)", peers, f"< {normal_bar:g}", None),
+                ]
+                return f"/health answers but TTFT is {ttft:.2f}s while peers serve in {peers:.2f}s", evidence
+
+            yield b, "", self.explained(enter, stay, severity, explain, 0.85)
 
 
 #: ``requests_finished_total{reason}`` values that are successes, across engines: vLLM/SGLang/
@@ -242,13 +253,16 @@ class ErrorBurst(Rule[ErrorBurstConfig]):
             enter = total >= cfg.min_responses and ratio >= cfg.ratio_enter
             stay = total > 0 and ratio >= cfg.ratio_exit
             severity = Severity.CRITICAL if ratio >= cfg.critical_ratio else Severity.WARNING
-            evidence = [
-                ev(f"{source} error ratio", ratio, bar(enter, cfg.ratio_enter, cfg.ratio_exit), cfg.window_seconds),
-                ev(f"{source} (increase)", total, cfg.min_responses, cfg.window_seconds),
-            ]
-            what = "/".join(sorted(bad_names)) or ("server_5xx/saturated_429" if source == "responses_total" else "errors")
-            summary = f"{ratio:.1%} of {total:g} responses failed ({what}) in {cfg.window_seconds:g}s"
-            yield b, "", self.finding(enter, stay, severity, summary, evidence, 0.9 if total >= 5 * cfg.min_responses else 0.7)
+
+            def explain() -> tuple[str, list[Evidence]]:
+                evidence = [
+                    ev(f"{source} error ratio", ratio, bar(enter, cfg.ratio_enter, cfg.ratio_exit), cfg.window_seconds),
+                    ev(f"{source} (increase)", total, cfg.min_responses, cfg.window_seconds),
+                ]
+                what = "/".join(sorted(bad_names)) or ("server_5xx/saturated_429" if source == "responses_total" else "errors")
+                return f"{ratio:.1%} of {total:g} responses failed ({what}) in {cfg.window_seconds:g}s", evidence
+
+            yield b, "", self.explained(enter, stay, severity, explain, 0.9 if total >= 5 * cfg.min_responses else 0.7)
 
     def _gateway_class(self, cls: str) -> str:
         if cls in self._IGNORED:

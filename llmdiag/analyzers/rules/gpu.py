@@ -15,7 +15,7 @@ from llmdiag.config.analyzers import (
     IoBlockingConfig,
 )
 from llmdiag.collectors.nvml import CLOCK_EVENT_REASONS
-from llmdiag.model import HOST, Labelled, Severity
+from llmdiag.model import HOST, Evidence, Labelled, Severity
 
 __all__ = ["GpuFault", "GpuIdleWithQueue", "GpuMemoryPressure", "GpuThrottling", "IoBlocking", "throttle_names"]
 
@@ -254,20 +254,24 @@ class IoBlocking(Rule[IoBlockingConfig]):
                 and util < cfg.util_drop_fraction * base_util
             )
             blocked = dstate is not None and dstate >= cfg.dstate_threads_enter
-            evidence = []
-            if dstate is not None:
-                evidence.append(ev("threads_dstate", dstate, cfg.dstate_threads_enter, cfg.for_seconds))
-            if reads is not None:
-                evidence.append(ev("io_read_bytes per second", reads, max(cfg.read_floor_bytes_per_second, cfg.read_factor * (base_reads or 0)), span))
-            if util is not None and base_util is not None:
-                evidence.append(ev("gpu_utilization", util, cfg.util_drop_fraction * base_util, None))
-            parts = []
-            if blocked:
-                parts.append(f"{dstate:g} engine threads blocked in D state")
-            if spike:
-                parts.append(f"reading {reads / 1e6:.0f} MB/s while GPU utilisation fell to {util:.0%}")
+
+            def explain() -> tuple[str, list[Evidence]]:
+                evidence = []
+                if dstate is not None:
+                    evidence.append(ev("threads_dstate", dstate, cfg.dstate_threads_enter, cfg.for_seconds))
+                if reads is not None:
+                    evidence.append(ev("io_read_bytes per second", reads, max(cfg.read_floor_bytes_per_second, cfg.read_factor * (base_reads or 0)), span))
+                if util is not None and base_util is not None:
+                    evidence.append(ev("gpu_utilization", util, cfg.util_drop_fraction * base_util, None))
+                parts = []
+                if blocked:
+                    parts.append(f"{dstate:g} engine threads blocked in D state")
+                if spike:
+                    parts.append(f"reading {reads / 1e6:.0f} MB/s while GPU utilisation fell to {util:.0%}")
+                return "; ".join(parts) or "engine IO normal", evidence
+
             stay = (dstate is not None and dstate >= 1) or spike
-            yield b, "", self.finding(blocked or spike, stay, Severity.WARNING, "; ".join(parts) or "engine IO normal", evidence, 0.75)
+            yield b, "", self.explained(blocked or spike, stay, Severity.WARNING, explain, 0.75)
         psi = ctx.host("psi_io_full_avg10")
         if psi is None:
             yield HOST, "", None

@@ -16,7 +16,7 @@ from llmdiag.config.analyzers import (
     NetworkDegradationConfig,
     TimewaitExhaustionConfig,
 )
-from llmdiag.model import HOST, Severity
+from llmdiag.model import HOST, Evidence, Severity
 
 __all__ = [
     "ClientTimeoutStorm",
@@ -100,14 +100,18 @@ class ClientTimeoutStorm(Rule[ClientTimeoutStormConfig]):
             enter = cancel_rate >= bar_enter and bool(joined)
             stay = cancel_rate >= bar_exit and bool(slow)
             severity = Severity.CRITICAL if base and cancel_rate >= cfg.critical_factor * max(base, cfg.min_rate / cfg.rate_factor_enter) else Severity.WARNING
-            evidence = [
-                ev("cancels per second (rst_stream CANCEL received + tcp_peer_closes)", cancel_rate, bar(enter, bar_enter, bar_exit), span),
-                ev("cancel rate baseline", base, "warming up" if base is None else None, ctx.config.baseline_seconds),
-                ev("ttft_seconds.ewma", ttft, ttft_bar, cfg.correlate_seconds),
-                ev("cancel ticks joined with high TTFT", float(len(joined)), 1.0, cfg.correlate_seconds),
-            ]
-            summary = f"clients cancel {cancel_rate:.1f}/s" + (f" ({cancel_rate / base:.0f}x baseline)" if base else "") + (f" while TTFT is {ttft:.2f}s" if ttft is not None else "")
-            yield b, "", self.finding(enter, stay, severity, summary, evidence, 0.85 if joined else 0.6)
+
+            def explain() -> tuple[str, list[Evidence]]:
+                evidence = [
+                    ev("cancels per second (rst_stream CANCEL received + tcp_peer_closes)", cancel_rate, bar(enter, bar_enter, bar_exit), span),
+                    ev("cancel rate baseline", base, "warming up" if base is None else None, ctx.config.baseline_seconds),
+                    ev("ttft_seconds.ewma", ttft, ttft_bar, cfg.correlate_seconds),
+                    ev("cancel ticks joined with high TTFT", float(len(joined)), 1.0, cfg.correlate_seconds),
+                ]
+                summary = f"clients cancel {cancel_rate:.1f}/s" + (f" ({cancel_rate / base:.0f}x baseline)" if base else "") + (f" while TTFT is {ttft:.2f}s" if ttft is not None else "")
+                return summary, evidence
+
+            yield b, "", self.explained(enter, stay, severity, explain, 0.85 if joined else 0.6)
 
 
 class TimewaitExhaustion(Rule[TimewaitExhaustionConfig]):
@@ -131,20 +135,24 @@ class TimewaitExhaustion(Rule[TimewaitExhaustionConfig]):
             enter = (fraction is not None and fraction >= cfg.fraction_enter) or (eta is not None and eta < cfg.eta_enter_seconds)
             stay = (fraction is not None and fraction >= cfg.fraction_exit) or (eta is not None and eta < cfg.eta_exit_seconds)
             critical = (fraction is not None and fraction >= cfg.critical_fraction) or (eta is not None and eta < cfg.critical_eta_seconds)
-            evidence = [ev(f"destinations[{dest}].timewait_sockets", tw, None, None)]
-            if fraction is not None:
-                evidence.append(ev(f"destinations[{dest}] TIME_WAIT share of port range", fraction, bar(enter, cfg.fraction_enter, cfg.fraction_exit), None))
-            if eta is not None:
-                evidence.append(ev(f"destinations[{dest}].port_exhaustion_eta_seconds", eta, bar(enter, cfg.eta_enter_seconds, cfg.eta_exit_seconds), None))
-            rate = number(signals.get("timewait_entry_rate"))
-            if rate is not None:
-                evidence.append(ev(f"destinations[{dest}].timewait_entry_rate", rate, None, None))
-            summary = f"{'n/a' if tw is None else format(tw, 'g')} sockets in TIME_WAIT to {dest}"
-            if fraction is not None:
-                summary += f" ({fraction:.0%} of the port range)"
-            if eta is not None:
-                summary += f", ports run out in {eta:.0f}s"
-            yield subject, dest, self.finding(enter, stay, Severity.CRITICAL if critical else Severity.WARNING, summary, evidence, 0.9)
+
+            def explain() -> tuple[str, list[Evidence]]:
+                evidence = [ev(f"destinations[{dest}].timewait_sockets", tw, None, None)]
+                if fraction is not None:
+                    evidence.append(ev(f"destinations[{dest}] TIME_WAIT share of port range", fraction, bar(enter, cfg.fraction_enter, cfg.fraction_exit), None))
+                if eta is not None:
+                    evidence.append(ev(f"destinations[{dest}].port_exhaustion_eta_seconds", eta, bar(enter, cfg.eta_enter_seconds, cfg.eta_exit_seconds), None))
+                rate = number(signals.get("timewait_entry_rate"))
+                if rate is not None:
+                    evidence.append(ev(f"destinations[{dest}].timewait_entry_rate", rate, None, None))
+                summary = f"{'n/a' if tw is None else format(tw, 'g')} sockets in TIME_WAIT to {dest}"
+                if fraction is not None:
+                    summary += f" ({fraction:.0%} of the port range)"
+                if eta is not None:
+                    summary += f", ports run out in {eta:.0f}s"
+                return summary, evidence
+
+            yield subject, dest, self.explained(enter, stay, Severity.CRITICAL if critical else Severity.WARNING, explain, 0.9)
 
 
 class ConnectionChurn(Rule[ConnectionChurnConfig]):
@@ -179,13 +187,17 @@ class ConnectionChurn(Rule[ConnectionChurnConfig]):
             ratio = close_rate / requests if requests >= cfg.min_request_rate else None
             enter = ratio is not None and ratio >= cfg.ratio_enter and tw_rate is not None and tw_rate >= cfg.tw_rate_enter
             stay = ratio is not None and ratio >= cfg.ratio_exit
-            evidence = [
-                ev("connections closed per request", ratio, bar(enter, cfg.ratio_enter, cfg.ratio_exit), span),
-                ev("requests per second", requests, cfg.min_request_rate, span),
-                ev("TIME_WAIT entries per second", tw_rate, cfg.tw_rate_enter, span),
-            ]
-            summary = f"{ratio:.2f} connections per request at {requests:.1f} req/s: clients do not reuse connections" if ratio is not None else "too few requests to judge connection reuse"
-            yield b, "", self.finding(enter, stay, Severity.WARNING, summary, evidence, 0.8)
+
+            def explain() -> tuple[str, list[Evidence]]:
+                evidence = [
+                    ev("connections closed per request", ratio, bar(enter, cfg.ratio_enter, cfg.ratio_exit), span),
+                    ev("requests per second", requests, cfg.min_request_rate, span),
+                    ev("TIME_WAIT entries per second", tw_rate, cfg.tw_rate_enter, span),
+                ]
+                summary = f"{ratio:.2f} connections per request at {requests:.1f} req/s: clients do not reuse connections" if ratio is not None else "too few requests to judge connection reuse"
+                return summary, evidence
+
+            yield b, "", self.explained(enter, stay, Severity.WARNING, explain, 0.8)
 
 
 class GrpcFlowControlStall(Rule[GrpcFlowControlStallConfig]):
