@@ -123,6 +123,17 @@ class BackendScrape:
     signals: Signals = field(default_factory=dict)
     engines: dict[str, Signals] = field(default_factory=dict)
 
+    def copy(self) -> BackendScrape:
+        """A copy whose signal maps (and labelled values) can be changed without touching this one."""
+        return BackendScrape(
+            self.backend, self.up, self.engine, self.error, self.failure, list(self.problems), self.models,
+            _copy_signals(self.signals), {label: _copy_signals(signals) for label, signals in self.engines.items()},
+        )
+
+
+def _copy_signals(signals: Signals) -> Signals:
+    return {name: Labelled(value) if isinstance(value, dict) else value for name, value in signals.items()}
+
 
 class _EngineWindow:
     """Previous cumulative values of one DP engine, to compute window values and spot resets."""
@@ -214,6 +225,36 @@ class _BackendTracker:
         self.last_ok_clock: float | None = None
         self.dialect: Dialect | None = None
         self.resets_logged = 0
+        # The last body read and its parse, and the scrape a repeat of it gives (see update_body).
+        self.last_body: str | None = None
+        self.last_parsed: ParsedScrape | None = None
+        self.repeat: BackendScrape | None = None
+        self.repeats_total = 0  # scrapes answered from ``repeat`` (the unit tests and the benchmark read it)
+
+    def update_body(self, body: str, fetched_at: float, alpha: float) -> BackendScrape:
+        """The scrape of one ``/metrics`` body: parsed, mapped and stepped, unless it repeats the last one.
+
+        An idle engine's counters do not move, so at light traffic many scrapes are the previous
+        body byte for byte (~40 % with 16 fake engines at 4 requests/s). Such a body is not parsed
+        again: it steps the windows with the last parse. After that one step the windows are at a
+        fixed point for this body (no counter increase, no new histogram observation, so no EWMA
+        change and no reset), so every further repeat gives the same signals, and the scrape is
+        reused whole (a copy: the collector adds the per-scrape ``up``, ``scrape_*`` signals).
+        Any other body, even one value changed, goes the full way."""
+        if body == self.last_body and self.last_parsed is not None:
+            if self.repeat is not None:
+                self.last_ok_clock = fetched_at
+                self.repeats_total += 1
+                return self.repeat.copy()
+            scrape = self.update(self.last_parsed, fetched_at, alpha)
+            if scrape.up:
+                self.repeat = scrape.copy()
+            return scrape
+        self.last_body = self.last_parsed = self.repeat = None  # set again only once this body is read
+        parsed = parse_exposition(body, self.exposition)
+        scrape = self.update(parsed, fetched_at, alpha)
+        self.last_body, self.last_parsed = body, parsed
+        return scrape
 
     def update(self, parsed: ParsedScrape, fetched_at: float, alpha: float) -> BackendScrape:
         dialect = detect_dialect(parsed.names(), self.backend.engine)
@@ -343,7 +384,7 @@ class EngineCollector:
                 ", ".join(b.name for b in self.skipped),
             )
         self._connections = KeepAlivePool() if fetch is None else None
-        self._fetch: FetchFunction = fetch or self._connections  # type: ignore[assignment]
+        self._fetch_url: FetchFunction = fetch or self._connections  # type: ignore[assignment]
         self._clock = clock
         self._trackers = {b.name: _BackendTracker(b) for b in self.backends}
         self._pool: ThreadPoolExecutor | None = None
@@ -395,14 +436,14 @@ class EngineCollector:
             self._pool = ThreadPoolExecutor(
                 max_workers=min(self.config.max_workers, len(self.backends)), thread_name_prefix="llmdiag-engine"
             )
-        futures = [self._pool.submit(self._fetch_and_parse, b) for b in self.backends]
+        futures = [self._pool.submit(self._fetch, b) for b in self.backends]
         # The fetch has its own deadline; the extra second only bounds an injected fetch that ignores it.
         budget = self.config.timeout_seconds + 1.0
         out = []
         for backend, future in zip(self.backends, futures, strict=True):
             tracker = self._trackers[backend.name]
             try:
-                result, parsed, fetched_at = future.result(timeout=budget)
+                result, fetched_at = future.result(timeout=budget)
             except FutureTimeout:
                 out.append(self._down(tracker, f"timed out after {self.config.timeout_seconds:g} s", "timeout"))
                 continue
@@ -410,11 +451,13 @@ class EngineCollector:
                 self._errors_total += 1
                 out.append(self._down(tracker, f"{type(exc).__name__}: {exc}", "error"))
                 continue
-            if parsed is None:
+            if not result.ok:
                 out.append(self._down(tracker, result.error or "no answer", _failure_of(result)))
                 continue
             try:
-                scrape = tracker.update(parsed, fetched_at, self.config.ewma_alpha)
+                # Parsed here, in the collecting thread, as each answer arrives: the fetches of the
+                # others still overlap it, and a backend's windows are only ever touched here.
+                scrape = tracker.update_body(result.body, fetched_at, self.config.ewma_alpha)
             except Exception as exc:  # noqa: BLE001 - a bug or a scrape we did not foresee: degrade, do not stop
                 self._errors_total += 1
                 log.warning("backend %s: could not read the scrape: %s", backend.name, exc, exc_info=True)
@@ -428,12 +471,9 @@ class EngineCollector:
             out.append(scrape)
         return out
 
-    def _fetch_and_parse(self, backend: Backend) -> tuple[FetchResult, ParsedScrape | None, float]:
-        result = self._fetch(self._urls[backend.name], self.config.timeout_seconds, self.config.max_response_bytes, PROMETHEUS_ACCEPT)
-        fetched_at = self._clock()
-        if not result.ok:
-            return result, None, fetched_at
-        return result, parse_exposition(result.body, self._trackers[backend.name].exposition), fetched_at
+    def _fetch(self, backend: Backend) -> tuple[FetchResult, float]:
+        result = self._fetch_url(self._urls[backend.name], self.config.timeout_seconds, self.config.max_response_bytes, PROMETHEUS_ACCEPT)
+        return result, self._clock()
 
     def _down(self, tracker: _BackendTracker, reason: str, failure: str) -> BackendScrape:
         engine = tracker.dialect.engine if tracker.dialect else None
