@@ -257,7 +257,13 @@ class _BackendTracker:
         return scrape
 
     def update(self, parsed: ParsedScrape, fetched_at: float, alpha: float) -> BackendScrape:
-        dialect = detect_dialect(parsed.names(), self.backend.engine)
+        memo = parsed.memo
+        if memo is not None and "dialect" in memo:
+            dialect = memo["dialect"]  # the same names as when it was detected
+        else:
+            dialect = detect_dialect(parsed.names(), self.backend.engine)
+            if memo is not None:
+                memo["dialect"] = dialect
         scrape = BackendScrape(self.backend, up=True, problems=list(parsed.problems))
         if dialect is None:
             scrape.error = "no known engine metrics (vllm:, sglang:, trtllm_, nv_trt_llm_, nv_inference_, tgi_)"

@@ -13,7 +13,11 @@ backend), a scrape whose kept lines are the last clean scrape's lines with
 only the values changed reuses that parse's names and labels and converts
 the values alone (no label parsing, ~10x cheaper); any other difference (a
 new series, a timestamp, a comment, a value the parser would refuse) goes
-through the full parser again, so the result is the same either way.
+through the full parser again, so the result is the same either way. Such a
+scrape also carries the structure's :attr:`ParsedScrape.memo`, where
+:func:`read_engines` (and the collector) keep what depends on names and labels
+alone: which rows each rule reads for which engine, the model names, the
+dialect. They are worked out once per structure, not once per scrape.
 
 :func:`read_engines` applies a :class:`~llmdiag.collectors.engine_names.Dialect`
 and returns one :class:`EngineReading` per data-parallel engine: gauges,
@@ -79,6 +83,9 @@ class ParsedScrape:
     series: dict[str, Series] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     lines: int = 0
+    #: Shared by every scrape of one structure (same series, labels and order; see the module
+    #: docstring), None after a full parse. Its rows' label dicts are shared too: read-only.
+    memo: dict | None = field(default=None, compare=False, repr=False)
 
     def names(self) -> frozenset[str]:
         return frozenset(self.series)
@@ -102,9 +109,9 @@ class ExpositionCache:
     __slots__ = ("state",)
 
     def __init__(self) -> None:
-        # (line shapes, (canonical name, labels) per sample line), swapped as one tuple: a late
-        # scrape of the same backend in another thread reads either the old or the new one.
-        self.state: tuple[tuple[str, ...], tuple[tuple[str, Labels], ...]] | None = None
+        # (line shapes, (canonical name, labels) per sample line, the structure's memo), swapped as
+        # one tuple: a late scrape of the same backend in another thread reads either the old or the new one.
+        self.state: tuple[tuple[str, ...], tuple[tuple[str, Labels], ...], dict] | None = None
 
 
 def _shape(line: str) -> tuple[str, str | None]:
@@ -121,12 +128,12 @@ def _shape(line: str) -> tuple[str, str | None]:
     return line[:end], rest[0]
 
 
-def _fast_values(kept: list[str], cache: ExpositionCache) -> dict[str, Series] | None:
-    """The series of ``kept`` from the cached structure, or None unless only values changed."""
+def _fast_values(kept: list[str], cache: ExpositionCache) -> tuple[dict[str, Series], dict] | None:
+    """The series of ``kept`` from the cached structure and its memo, or None unless only values changed."""
     state = cache.state
     if state is None or len(kept) != len(state[0]):
         return None
-    shapes, slots = state
+    shapes, slots, memo = state
     series: dict[str, Series] = defaultdict(list)
     n = 0
     for line, want in zip(kept, shapes, strict=True):
@@ -142,9 +149,9 @@ def _fast_values(kept: list[str], cache: ExpositionCache) -> dict[str, Series] |
         except ValueError:
             return None
         name, labels = slots[n]
-        series[name].append((dict(labels), number))
+        series[name].append((labels, number))  # the cached dict: nothing downstream writes to labels
         n += 1
-    return dict(series) if n == len(slots) else None
+    return (dict(series), memo) if n == len(slots) else None
 
 
 def _remember(kept: list[str], parsed: ParsedScrape, samples: list[tuple[str, Labels]], cache: ExpositionCache) -> None:
@@ -163,7 +170,7 @@ def _remember(kept: list[str], parsed: ParsedScrape, samples: list[tuple[str, La
     if len(names) != len(samples) or any(s not in (n, n + "_total") for n, (s, _) in zip(names, samples, strict=True)):
         cache.state = None
         return
-    cache.state = (tuple(shapes), tuple((canonical_name(s), dict(labels)) for s, labels in samples))
+    cache.state = (tuple(shapes), tuple((canonical_name(s), dict(labels)) for s, labels in samples), {})
 
 
 def parse_exposition(text: str, cache: ExpositionCache | None = None) -> ParsedScrape:
@@ -180,7 +187,7 @@ def parse_exposition(text: str, cache: ExpositionCache | None = None) -> ParsedS
     if cache is not None:
         fast = _fast_values(kept_lines, cache)
         if fast is not None:
-            parsed.series = fast
+            parsed.series, parsed.memo = fast
             return parsed
     try:
         samples = _collect(parsed, "\n".join(kept_lines) + "\n")
@@ -282,14 +289,18 @@ def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
                 continue
             done.add(key)
             store(engines[engine])
-    models = sorted({
-        labels[name]
-        for rows in parsed.series.values()
-        for labels, _ in rows[:64]
-        for name in ("model_name", "model")
-        if labels.get(name)
-    })
-    return Reading(dict(engines), tuple(models), problems)
+    models = parsed.memo.get("models") if parsed.memo is not None else None
+    if models is None:
+        models = tuple(sorted({
+            labels[name]
+            for rows in parsed.series.values()
+            for labels, _ in rows[:64]
+            for name in ("model_name", "model")
+            if labels.get(name)
+        }))
+        if parsed.memo is not None:
+            parsed.memo["models"] = models
+    return Reading(dict(engines), models, problems)
 
 
 def _group(rows: Series, rule_match: tuple[tuple[str, str], ...], dialect: Dialect) -> dict[str, Series]:
@@ -300,13 +311,31 @@ def _group(rows: Series, rule_match: tuple[tuple[str, str], ...], dialect: Diale
     return out
 
 
+def _grouped(parsed: ParsedScrape, name: str, rule_match: tuple[tuple[str, str], ...], dialect: Dialect) -> dict[str, Series]:
+    """``_group`` of series ``name``; with a structure memo, which rows go to which engine is
+    worked out once per structure (labels do not change with it) and only the rows are picked."""
+    rows = parsed.series.get(name) or []
+    memo = parsed.memo
+    if memo is None:
+        return _group(rows, rule_match, dialect)
+    key = ("group", name, rule_match, dialect.engine_label)
+    plan: dict[str, list[int]] | None = memo.get(key)
+    if plan is None:
+        plan = {}
+        for i, (labels, _) in enumerate(rows):
+            if _matches(labels, rule_match):
+                plan.setdefault(_engine_of(labels, dialect), []).append(i)
+        memo[key] = plan
+    return {engine: [rows[i] for i in indices] for engine, indices in plan.items()}
+
+
 def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[str]):  # noqa: C901 - one branch per kind
     """``{engine: store(reading)}`` for the engines this rule has data for."""
     name, signal, kind, scale = rule.canonical, rule.signal, rule.kind, rule.scale
     out = {}
 
     if kind in (Kind.GAUGE, Kind.COUNTER):
-        for engine, rows in _group(parsed.series.get(name, []), rule.match, dialect).items():
+        for engine, rows in _grouped(parsed, name, rule.match, dialect).items():
             values = _finite([v for _, v in rows])
             if not values:
                 continue
@@ -315,7 +344,7 @@ def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[st
             out[engine] = lambda r, v=value, t=target: getattr(r, t).__setitem__(signal, v)
 
     elif kind in (Kind.LABELLED_COUNTER, Kind.LABELLED_GAUGE):
-        for engine, rows in _group(parsed.series.get(name, []), rule.match, dialect).items():
+        for engine, rows in _grouped(parsed, name, rule.match, dialect).items():
             labelled: dict[str, float] = defaultdict(float)
             for labels, value in rows:
                 if not math.isfinite(value):
@@ -334,7 +363,7 @@ def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[st
             out[engine] = store
 
     elif kind is Kind.RESPONSE_CLASSES:
-        for engine, rows in _group(parsed.series.get(name, []), rule.match, dialect).items():
+        for engine, rows in _grouped(parsed, name, rule.match, dialect).items():
             classes: dict[str, float] = defaultdict(float)
             for labels, value in rows:
                 cls = response_class(labels.get(rule.source_label or "status", ""))
@@ -345,9 +374,9 @@ def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[st
                 out[engine] = lambda r, d=dict(classes): r.labelled_counters.__setitem__(signal, d)
 
     elif kind is Kind.HISTOGRAM:
-        buckets = _group(parsed.series.get(name + "_bucket", []), rule.match, dialect)
-        counts = _group(parsed.series.get(name + "_count", []), rule.match, dialect)
-        sums = _group(parsed.series.get(name + "_sum", []), rule.match, dialect)
+        buckets = _grouped(parsed, name + "_bucket", rule.match, dialect)
+        counts = _grouped(parsed, name + "_count", rule.match, dialect)
+        sums = _grouped(parsed, name + "_sum", rule.match, dialect)
         for engine, rows in buckets.items():
             pairs = []
             for labels, value in rows:
@@ -370,15 +399,15 @@ def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[st
 
     elif kind in (Kind.HISTOGRAM_SUM_COUNTER, Kind.HISTOGRAM_COUNT_COUNTER):
         part, factor = ("_sum", scale) if kind is Kind.HISTOGRAM_SUM_COUNTER else ("_count", 1.0)
-        series = parsed.series.get(name + part) or parsed.series.get(rule.metric.replace(":", "_") + part, [])
-        for engine, rows in _group(series, rule.match, dialect).items():
+        series_name = name + part if parsed.series.get(name + part) else rule.metric.replace(":", "_") + part
+        for engine, rows in _grouped(parsed, series_name, rule.match, dialect).items():
             values = _finite([v for _, v in rows])
             if values:
                 out[engine] = lambda r, v=math.fsum(values) * factor: r.counters.__setitem__(signal, v)
 
     elif kind is Kind.MEAN_COUNTERS:
-        totals = _group(parsed.series.get(name, []), rule.match, dialect)
-        counts = _group(parsed.series.get(rule.canonical_other or "", []), rule.other_match, dialect)
+        totals = _grouped(parsed, name, rule.match, dialect)
+        counts = _grouped(parsed, rule.canonical_other or "", rule.other_match, dialect)
         for engine, rows in totals.items():
             total = _finite([v for _, v in rows])
             count = _finite([v for _, v in counts.get(engine, [])])
@@ -387,8 +416,8 @@ def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[st
                 out[engine] = lambda r, p=pair: r.mean_counters.__setitem__(signal, p)
 
     elif kind in (Kind.RATIO, Kind.PRODUCT):
-        first = _group(parsed.series.get(name, []), rule.match, dialect)
-        second = _group(parsed.series.get(rule.canonical_other or "", []), rule.other_match, dialect)
+        first = _grouped(parsed, name, rule.match, dialect)
+        second = _grouped(parsed, rule.canonical_other or "", rule.other_match, dialect)
         for engine, rows in first.items():
             a = _finite([v for _, v in rows])
             b = _finite([v for _, v in second.get(engine, [])])
@@ -406,7 +435,7 @@ def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[st
     elif kind is Kind.INFO_PRODUCT:
         assert rule.labels is not None
         first_label, second_label = rule.labels
-        for engine, rows in _group(parsed.series.get(name, []), rule.match, dialect).items():
+        for engine, rows in _grouped(parsed, name, rule.match, dialect).items():
             products = []
             for labels, _ in rows:
                 try:

@@ -71,3 +71,28 @@ def test_a_changed_structure_or_a_bad_value_goes_through_the_full_parser() -> No
     # A timestamp on a line: the full parser, every time.
     stamped = text.replace(line, line + " 1700000000000", 1)
     assert same(parse_exposition(stamped, cache), parse_exposition(stamped)) and cache.state is None
+
+
+@pytest.mark.parametrize("path", SCRAPES, ids=lambda p: p.name)
+def test_the_structure_memo_gives_what_a_full_read_gives(path: Path) -> None:
+    """read_engines keeps which rows each rule reads per engine in the structure's memo: the
+    readings of later scrapes of that structure are those of a full parse and read."""
+    from llmdiag.collectors.engine_names import detect_dialect
+    from llmdiag.collectors.engine_parse import read_engines
+
+    text = path.read_text()
+    cache = ExpositionCache()
+    parse_exposition(text, cache)
+    if cache.state is None:
+        pytest.skip("not a clean scrape: no structure to reuse")
+    dialect = detect_dialect(parse_exposition(text).names())
+    if dialect is None:
+        pytest.skip("no engine dialect")
+    second, third = new_values(text), new_values(new_values(text))
+    first_fast = parse_exposition(second, cache)
+    assert first_fast.memo is not None
+    assert read_engines(first_fast, dialect) == read_engines(parse_exposition(second), dialect)
+    assert any(key[0] == "group" for key in first_fast.memo if isinstance(key, tuple))  # filled now
+    again = parse_exposition(third, cache)
+    assert again.memo is first_fast.memo
+    assert read_engines(again, dialect) == read_engines(parse_exposition(third), dialect)
