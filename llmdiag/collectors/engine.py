@@ -1,8 +1,9 @@
 """The engine metrics collector (SPEC 3.2 "engine", 4 "engine", Appendix A).
 
 Every tick it GETs each backend's ``/metrics`` (``Accept: text/plain;
-version=0.0.4``, 1 s deadline, size cap; backends in parallel on a small
-thread pool), parses it with ``prometheus_client.parser``, maps the
+version=0.0.4``, 1 s deadline, size cap; backends in parallel: those at an
+``http://`` IP address from the collecting thread over non-blocking sockets,
+:mod:`llmdiag.collectors.http_multi`, the others on a small thread pool), parses it with ``prometheus_client.parser``, maps the
 engine's names onto llmdiag's signals (:mod:`llmdiag.collectors.engine_names`)
 and turns cumulative values into window values:
 
@@ -67,6 +68,7 @@ from llmdiag.collectors.engine_names import AGGREGATION, Dialect, detect_dialect
 from llmdiag.collectors.engine_parse import EngineReading, ExpositionCache, ParsedScrape, parse_exposition, read_engines
 from llmdiag.collectors.histogram import CumulativeHistogram, HistogramDelta, counter_delta
 from llmdiag.collectors.http_fetch import PROMETHEUS_ACCEPT, FetchFunction, FetchResult, KeepAlivePool
+from llmdiag.collectors.http_multi import MultiFetcher, direct_target
 from llmdiag.config.engine import EngineConfig
 from llmdiag.model import (
     Backend,
@@ -362,8 +364,11 @@ class EngineCollector:
 
     ``fetch(url, timeout, max_bytes, accept) -> FetchResult`` and ``clock``
     (monotonic seconds) are injectable; the defaults are a
-    :class:`~llmdiag.collectors.http_fetch.KeepAlivePool` (one kept-alive
-    connection per backend, closed with the collector) and ``time.monotonic``.
+    :class:`~llmdiag.collectors.http_multi.MultiFetcher` for ``http://`` backends
+    at an IP address and a :class:`~llmdiag.collectors.http_fetch.KeepAlivePool`
+    in threads for the others (one kept-alive connection per backend either way,
+    closed with the collector) and ``time.monotonic``. An injected ``fetch`` serves
+    every backend, on the thread pool.
     """
 
     name = "engine"
@@ -390,6 +395,7 @@ class EngineCollector:
                 ", ".join(b.name for b in self.skipped),
             )
         self._connections = KeepAlivePool() if fetch is None else None
+        self._multi = MultiFetcher() if fetch is None else None
         self._fetch_url: FetchFunction = fetch or self._connections  # type: ignore[assignment]
         self._clock = clock
         self._trackers = {b.name: _BackendTracker(b) for b in self.backends}
@@ -433,49 +439,65 @@ class EngineCollector:
             self._pool = None
         if self._connections is not None:
             self._connections.close()
+        if self._multi is not None:
+            self._multi.close()
 
     # -- work ------------------------------------------------------------
     def _scrape_all(self) -> list[BackendScrape]:
         if not self.backends:
             return []
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                max_workers=min(self.config.max_workers, len(self.backends)), thread_name_prefix="llmdiag-engine"
-            )
-        futures = [self._pool.submit(self._fetch, b) for b in self.backends]
+        # http:// backends at an IP address: all from this thread, each answer read as it arrives
+        # (MultiFetcher); the others (https, host names) on the thread pool with KeepAlivePool.
+        direct = [b for b in self.backends if self._multi is not None and direct_target(self._urls[b.name])]
+        threaded = [b for b in self.backends if not (self._multi is not None and direct_target(self._urls[b.name]))]
+        futures = []
+        if threaded:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=min(self.config.max_workers, len(self.backends)), thread_name_prefix="llmdiag-engine"
+                )
+            futures = [self._pool.submit(self._fetch, b) for b in threaded]
+        done: dict[str, BackendScrape] = {}
+        if direct:
+            assert self._multi is not None
+            answers = self._multi.fetch_all([self._urls[b.name] for b in direct], self.config.timeout_seconds,
+                                            self.config.max_response_bytes, PROMETHEUS_ACCEPT)
+            for index, result in answers:
+                backend = direct[index]
+                done[backend.name] = self._read(self._trackers[backend.name], result, self._clock())
         # The fetch has its own deadline; the extra second only bounds an injected fetch that ignores it.
         budget = self.config.timeout_seconds + 1.0
-        out = []
-        for backend, future in zip(self.backends, futures, strict=True):
+        for backend, future in zip(threaded, futures, strict=True):
             tracker = self._trackers[backend.name]
             try:
                 result, fetched_at = future.result(timeout=budget)
             except FutureTimeout:
-                out.append(self._down(tracker, f"timed out after {self.config.timeout_seconds:g} s", "timeout"))
+                done[backend.name] = self._down(tracker, f"timed out after {self.config.timeout_seconds:g} s", "timeout")
                 continue
             except Exception as exc:  # noqa: BLE001 - an injected fetch may raise anything
                 self._errors_total += 1
-                out.append(self._down(tracker, f"{type(exc).__name__}: {exc}", "error"))
+                done[backend.name] = self._down(tracker, f"{type(exc).__name__}: {exc}", "error")
                 continue
-            if not result.ok:
-                out.append(self._down(tracker, result.error or "no answer", _failure_of(result)))
-                continue
-            try:
-                # Parsed here, in the collecting thread, as each answer arrives: the fetches of the
-                # others still overlap it, and a backend's windows are only ever touched here.
-                scrape = tracker.update_body(result.body, fetched_at, self.config.ewma_alpha)
-            except Exception as exc:  # noqa: BLE001 - a bug or a scrape we did not foresee: degrade, do not stop
-                self._errors_total += 1
-                log.warning("backend %s: could not read the scrape: %s", backend.name, exc, exc_info=True)
-                scrape = BackendScrape(backend, up=True, error=f"could not read the scrape: {type(exc).__name__}: {exc}")
-            if not scrape.up:
-                out.append(self._down(tracker, scrape.error or "not an engine", scrape.failure or "not_an_engine"))
-                continue
-            scrape.signals["up"] = 1
-            scrape.signals["scrape_duration_seconds"] = result.elapsed_seconds
-            scrape.signals["scrape_age_seconds"] = max(0.0, self._clock() - fetched_at)
-            out.append(scrape)
-        return out
+            done[backend.name] = self._read(tracker, result, fetched_at)
+        return [done[b.name] for b in self.backends]
+
+    def _read(self, tracker: _BackendTracker, result: FetchResult, fetched_at: float) -> BackendScrape:
+        """The scrape one fetch gave (parsed here, in the collecting thread: a backend's windows are
+        only ever touched here)."""
+        if not result.ok:
+            return self._down(tracker, result.error or "no answer", _failure_of(result))
+        try:
+            scrape = tracker.update_body(result.body, fetched_at, self.config.ewma_alpha)
+        except Exception as exc:  # noqa: BLE001 - a bug or a scrape we did not foresee: degrade, do not stop
+            self._errors_total += 1
+            log.warning("backend %s: could not read the scrape: %s", tracker.backend.name, exc, exc_info=True)
+            scrape = BackendScrape(tracker.backend, up=True, error=f"could not read the scrape: {type(exc).__name__}: {exc}")
+        if not scrape.up:
+            return self._down(tracker, scrape.error or "not an engine", scrape.failure or "not_an_engine")
+        scrape.signals["up"] = 1
+        scrape.signals["scrape_duration_seconds"] = result.elapsed_seconds
+        scrape.signals["scrape_age_seconds"] = max(0.0, self._clock() - fetched_at)
+        return scrape
 
     def _fetch(self, backend: Backend) -> tuple[FetchResult, float]:
         result = self._fetch_url(self._urls[backend.name], self.config.timeout_seconds, self.config.max_response_bytes, PROMETHEUS_ACCEPT)
