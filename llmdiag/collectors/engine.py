@@ -325,6 +325,10 @@ def _aggregate(engines: dict[str, Signals], deltas: dict[str, dict[str, Histogra
 
 
 def _merge_distributions(name: str, values: list, deltas: list[HistogramDelta]) -> Distribution:
+    if len(values) == 1 and len(deltas) <= 1:
+        # One engine (no data parallelism): merging its one window histogram gives back its own
+        # quantiles, EWMA and count, so its distribution is the backend's as it is.
+        return values[0]
     ewmas = [v.ewma for v in values if v.ewma is not None]
     counts = [v.count for v in values if v.count is not None]
     ewma = max(ewmas) if ewmas else None  # the worst engine's: saturation must not average away

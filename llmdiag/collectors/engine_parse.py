@@ -103,15 +103,22 @@ def _keep(line: str) -> bool:
 
 
 class ExpositionCache:
-    """The structure of one engine's last clean scrape: its kept lines without their values,
-    and the canonical name and labels of each sample line, in order. One per backend."""
+    """The structure of one engine's last clean scrape, one per backend: every line without its
+    value, the kept comment lines whole, and the line, canonical name and labels of each kept
+    sample line, in order."""
 
     __slots__ = ("state",)
 
     def __init__(self) -> None:
-        # (line shapes, (canonical name, labels) per sample line, the structure's memo), swapped as
-        # one tuple: a late scrape of the same backend in another thread reads either the old or the new one.
-        self.state: tuple[tuple[str, ...], tuple[tuple[str, Labels], ...], dict] | None = None
+        # (heads of every line, (line index, canonical name, labels) per kept sample line, the
+        # structure's memo, (line index, line) per kept comment line), swapped as one tuple: a
+        # late scrape of the same backend in another thread reads either the old or the new one.
+        self.state: tuple[list[str], tuple[tuple[int, str, Labels], ...], dict, tuple[tuple[int, str], ...]] | None = None
+
+
+def _heads(lines: list[str]) -> list[str]:
+    """Each line up to its last space (a sample line without its value); a line without a space whole."""
+    return [line.rpartition(" ")[0] or line for line in lines]
 
 
 def _shape(line: str) -> tuple[str, str | None]:
@@ -128,49 +135,57 @@ def _shape(line: str) -> tuple[str, str | None]:
     return line[:end], rest[0]
 
 
-def _fast_values(kept: list[str], cache: ExpositionCache) -> tuple[dict[str, Series], dict] | None:
-    """The series of ``kept`` from the cached structure and its memo, or None unless only values changed."""
+def _fast_values(lines: list[str], cache: ExpositionCache) -> tuple[dict[str, Series], dict] | None:
+    """The series of ``lines`` from the cached structure and its memo, or None unless only values changed.
+
+    Every line's head (the line up to its last space) must be the cached one: same lines, same
+    names and labels, in the same order, so the same lines are kept (whether a line is kept
+    depends on its name alone). Kept comment lines (``# TYPE``) must be the same whole. Each kept
+    sample's value must be a number the exposition parser would take too."""
     state = cache.state
-    if state is None or len(kept) != len(state[0]):
+    if state is None:
         return None
-    shapes, slots, memo = state
-    series: dict[str, Series] = defaultdict(list)
-    n = 0
-    for line, want in zip(kept, shapes, strict=True):
-        shape, value = _shape(line)
-        if shape != want:
+    heads, slots, memo, comments = state
+    if len(lines) != len(heads) or _heads(lines) != heads:
+        return None
+    for index, line in comments:
+        if lines[index] != line:
             return None
-        if value is None:
-            continue
+    series: dict[str, Series] = defaultdict(list)
+    for index, name, labels in slots:
+        value = lines[index].rpartition(" ")[2]
         if "_" in value:  # float() takes "1_000"; the exposition parser does not
             return None
         try:
             number = float(value)
         except ValueError:
             return None
-        name, labels = slots[n]
         series[name].append((labels, number))  # the cached dict: nothing downstream writes to labels
-        n += 1
-    return (dict(series), memo) if n == len(slots) else None
+    return dict(series), memo
 
 
-def _remember(kept: list[str], parsed: ParsedScrape, samples: list[tuple[str, Labels]], cache: ExpositionCache) -> None:
-    """Keep the structure of a clean full parse when its samples map one to one, in order, on its lines."""
-    shapes: list[str] = []
-    names: list[str] = []
-    for line in kept:
+def _remember(lines: list[str], kept: list[tuple[int, str]], samples: list[tuple[str, Labels]], cache: ExpositionCache) -> None:
+    """Keep the structure of a clean full parse when its samples map one to one, in order, on its
+    kept lines, and each of those lines is ``name{labels} value`` with one space before the value."""
+    comments: list[tuple[int, str]] = []
+    sample_lines: list[tuple[int, str]] = []
+    for lineno, line in kept:
+        if line.startswith("#") or not line:
+            comments.append((lineno - 1, line))
+            continue
         shape, value = _shape(line)
-        shapes.append(shape)
-        if value is not None:
-            names.append(line[: len(shape)].split("{", 1)[0].strip())
-        elif not line.startswith("#") and line:
-            cache.state = None  # a sample line we cannot split (timestamp...): no fast path
+        if value is None or line.rpartition(" ")[0] != shape:
+            cache.state = None  # a sample line we cannot split (timestamp, odd spacing...): no fast path
             return
+        sample_lines.append((lineno - 1, shape.split("{", 1)[0].strip()))
     # The parser names an untyped-suffix counter sample ``x`` as ``x_total``: still the same line.
-    if len(names) != len(samples) or any(s not in (n, n + "_total") for n, (s, _) in zip(names, samples, strict=True)):
+    if len(sample_lines) != len(samples) or any(
+        s not in (n, n + "_total") for (_, n), (s, _) in zip(sample_lines, samples, strict=True)
+    ):
         cache.state = None
         return
-    cache.state = (tuple(shapes), tuple((canonical_name(s), dict(labels)) for s, labels in samples), {})
+    slots = tuple((index, canonical_name(s), dict(labels)) for (index, _), (s, labels) in zip(sample_lines, samples, strict=True))
+    cache.state = (_heads(lines), slots, {}, tuple(comments))
 
 
 def parse_exposition(text: str, cache: ExpositionCache | None = None) -> ParsedScrape:
@@ -181,18 +196,18 @@ def parse_exposition(text: str, cache: ExpositionCache | None = None) -> ParsedS
     that differs from the last clean one only in its values skip the label parsing.
     """
     all_lines = text.split("\n")
-    kept = [(i, line) for i, line in enumerate(all_lines, 1) if _keep(line)]
     parsed = ParsedScrape(lines=len(all_lines))
-    kept_lines = [line for _, line in kept]
     if cache is not None:
-        fast = _fast_values(kept_lines, cache)
+        fast = _fast_values(all_lines, cache)
         if fast is not None:
             parsed.series, parsed.memo = fast
             return parsed
+    kept = [(i, line) for i, line in enumerate(all_lines, 1) if _keep(line)]
+    kept_lines = [line for _, line in kept]
     try:
         samples = _collect(parsed, "\n".join(kept_lines) + "\n")
         if cache is not None:
-            _remember(kept_lines, parsed, samples, cache)
+            _remember(all_lines, kept, samples, cache)
         return parsed
     except Exception:  # noqa: BLE001 - any parser failure: find the bad lines instead
         parsed.series.clear()

@@ -76,6 +76,12 @@ class CumulativeHistogram:
         A reset (count, sum or any bucket went down, or the bucket layout
         changed) makes the whole current histogram the delta.
         """
+        if self.buckets == previous.buckets and self.count == previous.count and not self.sum < previous.sum:
+            # Nothing observed since (an idle engine's histograms): no reset to look for. ``value -
+            # value`` and ``self.sum - previous.sum`` give what the general case gives (0, or NaN
+            # for NaN and infinite values).
+            return HistogramDelta(tuple((le, value - value) for le, value in self.buckets), 0.0,
+                                  self.sum - previous.sum), False
         prev = dict(previous.buckets)
         reset = self.count < previous.count or set(prev) != {le for le, _ in self.buckets}
         if not reset:

@@ -96,3 +96,38 @@ def test_the_structure_memo_gives_what_a_full_read_gives(path: Path) -> None:
     again = parse_exposition(third, cache)
     assert again.memo is first_fast.memo
     assert read_engines(again, dialect) == read_engines(parse_exposition(third), dialect)
+
+
+def test_a_line_that_becomes_wanted_or_a_changed_type_line_goes_through_the_full_parser(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fast path compares every line's head, not only the kept lines: a dropped line (``process_*``)
+    that now names a wanted series, or a wanted family's ``# TYPE`` that changed, is not a
+    values-only change."""
+    text = (SHARED_ENGINES / "vllm_v1_real_scrape_0.9era.prom").read_text()
+    lines = text.split("\n")
+    dropped = next(i for i, ln in enumerate(lines) if ln.startswith("process_") and not ln.startswith("#"))
+    typed = next(i for i, ln in enumerate(lines) if ln.startswith("# TYPE vllm:num_requests_waiting "))
+    became_wanted = lines.copy()
+    became_wanted[dropped] = 'vllm:num_requests_waiting{engine="9",model_name="m"} 7.0'
+    retyped = lines.copy()
+    retyped[typed] = lines[typed].rsplit(" ", 1)[0] + " untyped"
+    for changed in ("\n".join(became_wanted), "\n".join(retyped)):
+        cache = ExpositionCache()
+        parse_exposition(text, cache)
+        assert cache.state is not None
+        full_runs = []
+        real = engine_parse.text_string_to_metric_families
+
+        def counting(*args: object, **kwargs: object):  # noqa: ANN202
+            full_runs.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(engine_parse, "text_string_to_metric_families", counting)
+        got = parse_exposition(changed, cache)
+        monkeypatch.setattr(engine_parse, "text_string_to_metric_families", real)
+        assert full_runs, "the full parser must read a scrape whose structure changed"
+        assert same(got, parse_exposition(changed))
+    # The extra engine's waiting count is read, as the full parse reads it.
+    rows = parse_exposition("\n".join(became_wanted), ExpositionCache()).series["vllm_num_requests_waiting"]
+    assert ({"engine": "9", "model_name": "m"}, 7.0) in rows
