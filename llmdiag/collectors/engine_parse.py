@@ -290,11 +290,27 @@ def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
     engines: dict[str, EngineReading] = defaultdict(EngineReading)
     problems: list[str] = []
     done: set[tuple[str, str]] = set()  # (engine, signal) already filled by an earlier rule
-    for rule in dialect.rules:
-        try:
-            per_engine = _apply(rule, parsed, dialect, problems)
-        except (ValueError, ArithmeticError) as exc:
-            problems.append(f"{rule.metric}: {exc}")
+    # With a structure memo, a rule whose input rows are the ones it read in the last scrape of
+    # this structure (an idle histogram, an unchanged gauge) gives what it gave then: its result
+    # is kept per rule, and only the rules whose rows moved run again.
+    memo = parsed.memo
+    last = memo.get(("rules", dialect.engine)) if memo is not None else None
+    outputs: list[tuple[dict | None, list[str]]] = []
+    series = parsed.series
+    for i, rule in enumerate(dialect.rules):
+        if last is not None and all(series.get(n) == last[0].get(n) for n in _rule_inputs(rule)):
+            per_engine, added = last[1][i]
+            problems.extend(added)
+        else:
+            before = len(problems)
+            try:
+                per_engine = _apply(rule, parsed, dialect, problems)
+            except (ValueError, ArithmeticError) as exc:
+                problems.append(f"{rule.metric}: {exc}")
+                per_engine = None
+            added = problems[before:]
+        outputs.append((per_engine, added))
+        if per_engine is None:
             continue
         for engine, store in per_engine.items():
             key = (engine, rule.signal)
@@ -304,6 +320,8 @@ def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
                 continue
             done.add(key)
             store(engines[engine])
+    if memo is not None:
+        memo[("rules", dialect.engine)] = (series, outputs)
     models = parsed.memo.get("models") if parsed.memo is not None else None
     if models is None:
         models = tuple(sorted({
@@ -316,6 +334,22 @@ def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
         if parsed.memo is not None:
             parsed.memo["models"] = models
     return Reading(dict(engines), models, problems)
+
+
+_INPUTS: dict[Rule, tuple[str, ...]] = {}
+
+
+def _rule_inputs(rule: Rule) -> tuple[str, ...]:
+    """Every series name :func:`_apply` may read for ``rule`` (a superset is safe: it only means
+    one more comparison)."""
+    names = _INPUTS.get(rule)
+    if names is None:
+        base, alt = rule.canonical, rule.metric.replace(":", "_")
+        found = [base + suffix for suffix in _SUFFIXES] + [alt + suffix for suffix in _SUFFIXES]
+        if rule.canonical_other:
+            found.append(rule.canonical_other)
+        names = _INPUTS[rule] = tuple(dict.fromkeys(found))
+    return names
 
 
 def _group(rows: Series, rule_match: tuple[tuple[str, str], ...], dialect: Dialect) -> dict[str, Series]:

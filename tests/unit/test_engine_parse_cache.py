@@ -131,3 +131,32 @@ def test_a_line_that_becomes_wanted_or_a_changed_type_line_goes_through_the_full
     # The extra engine's waiting count is read, as the full parse reads it.
     rows = parse_exposition("\n".join(became_wanted), ExpositionCache()).series["vllm_num_requests_waiting"]
     assert ({"engine": "9", "model_name": "m"}, 7.0) in rows
+
+
+def test_rules_whose_rows_did_not_move_are_not_applied_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later scrape of the same structure: only the rules reading a changed series run again,
+    and the reading is the full one."""
+    from llmdiag.collectors.engine_names import detect_dialect
+    from llmdiag.collectors.engine_parse import read_engines
+
+    text = (SHARED_ENGINES / "vllm_v1_real_scrape_0.9era.prom").read_text()
+    cache = ExpositionCache()
+    parse_exposition(text, cache)
+    dialect = detect_dialect(parse_exposition(text).names())
+    waiting = next(ln for ln in text.split("\n") if ln.startswith("vllm:num_requests_waiting{"))
+    moved = text.replace(waiting, waiting.rpartition(" ")[0] + " 42.0")
+    applied: list[str] = []
+    real_apply = engine_parse._apply
+
+    def counting(rule, *args):  # noqa: ANN001, ANN202
+        applied.append(rule.signal)
+        return real_apply(rule, *args)
+
+    monkeypatch.setattr(engine_parse, "_apply", counting)
+    read_engines(parse_exposition(text, cache), dialect)  # the first fast-path read: every rule
+    everything = len(applied)
+    applied.clear()
+    got = read_engines(parse_exposition(moved, cache), dialect)
+    assert applied == ["requests_waiting"] and everything > 10
+    assert got == read_engines(parse_exposition(moved), dialect)
+    assert got.engines["0"].gauges["requests_waiting"] == 42.0
