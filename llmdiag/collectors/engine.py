@@ -216,7 +216,7 @@ def _number(value: float) -> float | int:
 def _distribution(delta: HistogramDelta, ewma: float | None) -> Distribution:
     if delta.count <= 0:
         return Distribution(None, None, ewma, 0)
-    return Distribution(delta.quantile(0.5), delta.quantile(0.99), ewma, _number(delta.count))
+    return Distribution(*delta.median_and_p99(), ewma, _number(delta.count))
 
 
 class _BackendTracker:
@@ -303,6 +303,8 @@ def _engine_order(label: str) -> tuple[int, str]:
 
 def _aggregate(engines: dict[str, Signals], deltas: dict[str, dict[str, HistogramDelta]]) -> Signals:
     """The backend's signals from its engines' (see AGGREGATION in engine_names)."""
+    if len(engines) == 1:
+        return _single(next(iter(engines.values())))
     out: Signals = {}
     names = {name for signals in engines.values() for name in signals}
     for name in sorted(names):
@@ -324,6 +326,23 @@ def _aggregate(engines: dict[str, Signals], deltas: dict[str, dict[str, Histogra
     return out
 
 
+def _single(signals: Signals) -> Signals:
+    """:func:`_aggregate` of one engine, without the merging: the same values (numbers as floats,
+    ``*_total`` ones integral where they are whole, labelled values copied), in the same order."""
+    out: Signals = {}
+    for name in sorted(signals):
+        value = signals[name]
+        if isinstance(value, Distribution):
+            out[name] = value
+        elif isinstance(value, dict):
+            out[name] = Labelled({key: 0 + number for key, number in value.items()})
+        elif isinstance(value, (int, float)):
+            # fsum([x]) is x, except that it turns -0.0 into 0.0: so does adding 0.0
+            total = float(value) if AGGREGATION.get(name) == "max" else float(value) + 0.0
+            out[name] = _number(total) if name.endswith("_total") else total
+    return out
+
+
 def _merge_distributions(name: str, values: list, deltas: list[HistogramDelta]) -> Distribution:
     if len(values) == 1 and len(deltas) <= 1:
         # One engine (no data parallelism): merging its one window histogram gives back its own
@@ -342,7 +361,7 @@ def _merge_distributions(name: str, values: list, deltas: list[HistogramDelta]) 
         )
         delta = HistogramDelta(merged.buckets, merged.count, 0.0)
         if delta.count > 0:
-            return Distribution(delta.quantile(0.5), delta.quantile(0.99), ewma, count)
+            return Distribution(*delta.median_and_p99(), ewma, count)
         return Distribution(None, None, ewma, count)
     # Engines with different bucket layouts cannot be merged: report the worst engine's quantiles.
     p50s = [v.p50 for v in values if v.p50 is not None]

@@ -151,15 +151,15 @@ def _fast_values(lines: list[str], cache: ExpositionCache) -> tuple[dict[str, Se
     for index, line in comments:
         if lines[index] != line:
             return None
+    values = [lines[index].rpartition(" ")[2] for index, _, _ in slots]
+    if "_" in " ".join(values):  # float() takes "1_000"; the exposition parser does not
+        return None
+    try:
+        numbers = list(map(float, values))
+    except ValueError:
+        return None
     series: dict[str, Series] = defaultdict(list)
-    for index, name, labels in slots:
-        value = lines[index].rpartition(" ")[2]
-        if "_" in value:  # float() takes "1_000"; the exposition parser does not
-            return None
-        try:
-            number = float(value)
-        except ValueError:
-            return None
+    for (_, name, labels), number in zip(slots, numbers, strict=True):
         series[name].append((labels, number))  # the cached dict: nothing downstream writes to labels
     return dict(series), memo
 
@@ -294,11 +294,19 @@ def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
     # this structure (an idle histogram, an unchanged gauge) gives what it gave then: its result
     # is kept per rule, and only the rules whose rows moved run again.
     memo = parsed.memo
-    last = memo.get(("rules", dialect.engine)) if memo is not None else None
-    outputs: list[tuple[dict | None, list[str]]] = []
     series = parsed.series
+    last = memo.get(("rules", dialect.engine)) if memo is not None else None
+    moved: set[str] = set()
+    inputs: list[frozenset[str]] = []
+    if last is not None:
+        # One comparison per series (the label dicts are the structure's own, so mostly identity).
+        moved = {name for name, rows in series.items() if rows != last[0].get(name)}
+        inputs = last[2]
+    elif memo is not None:
+        inputs = [frozenset(_rule_inputs(rule)) for rule in dialect.rules]
+    outputs: list[tuple[dict | None, list[str]]] = []
     for i, rule in enumerate(dialect.rules):
-        if last is not None and all(series.get(n) == last[0].get(n) for n in _rule_inputs(rule)):
+        if last is not None and moved.isdisjoint(inputs[i]):
             per_engine, added = last[1][i]
             problems.extend(added)
         else:
@@ -321,7 +329,7 @@ def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
             done.add(key)
             store(engines[engine])
     if memo is not None:
-        memo[("rules", dialect.engine)] = (series, outputs)
+        memo[("rules", dialect.engine)] = (series, outputs, inputs)
     models = parsed.memo.get("models") if parsed.memo is not None else None
     if models is None:
         models = tuple(sorted({
@@ -336,20 +344,14 @@ def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
     return Reading(dict(engines), models, problems)
 
 
-_INPUTS: dict[Rule, tuple[str, ...]] = {}
-
-
 def _rule_inputs(rule: Rule) -> tuple[str, ...]:
     """Every series name :func:`_apply` may read for ``rule`` (a superset is safe: it only means
-    one more comparison)."""
-    names = _INPUTS.get(rule)
-    if names is None:
-        base, alt = rule.canonical, rule.metric.replace(":", "_")
-        found = [base + suffix for suffix in _SUFFIXES] + [alt + suffix for suffix in _SUFFIXES]
-        if rule.canonical_other:
-            found.append(rule.canonical_other)
-        names = _INPUTS[rule] = tuple(dict.fromkeys(found))
-    return names
+    a rule runs again when it need not)."""
+    base, alt = rule.canonical, rule.metric.replace(":", "_")
+    found = [base + suffix for suffix in _SUFFIXES] + [alt + suffix for suffix in _SUFFIXES]
+    if rule.canonical_other:
+        found.append(rule.canonical_other)
+    return tuple(dict.fromkeys(found))
 
 
 def _group(rows: Series, rule_match: tuple[tuple[str, str], ...], dialect: Dialect) -> dict[str, Series]:

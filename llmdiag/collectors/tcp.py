@@ -55,7 +55,7 @@ from typing import Any
 from llmdiag.bpf import features
 from llmdiag.bpf.loader import BPFUnavailable, Program, check_environment, program_tracepoints
 from llmdiag.collectors.base import AttachNeed
-from llmdiag.collectors.histogram import histogram_quantile
+from llmdiag.collectors.histogram import histogram_quantiles
 from llmdiag.collectors.own_sockets import OWN_PORTS, OwnPorts, Pair
 from llmdiag.collectors.sockdiag import SockDiagError, format_endpoint, iter_tcp
 from llmdiag.config.tcp import TcpConfig
@@ -387,7 +387,7 @@ class TcpCollector:
             buckets.append((slot_bounds_us(slot)[1] / 1e6, float(running)))
         buckets.append((math.inf, float(running)))
         return Distribution(
-            histogram_quantile(0.5, buckets), histogram_quantile(0.99, buckets), self._ewma.get(subject), total
+            *histogram_quantiles((0.5, 0.99), buckets), self._ewma.get(subject), total
         )
 
     def collect(self, now: float) -> list[Sample]:

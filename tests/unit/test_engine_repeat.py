@@ -7,6 +7,8 @@ worked out by hand from the bodies below.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from llmdiag.collectors.engine import EngineCollector, _BackendTracker
@@ -133,3 +135,31 @@ def test_a_failed_scrape_between_repeats_does_not_lose_the_change():
         collector.close()
     assert [s["up"] for s in signals] == [1, 1, 1, 0, 1]
     assert signals[4]["requests_waiting"] == 3 and signals[4]["preemptions_total"] == 11
+
+
+def test_one_engines_backend_signals_are_what_the_general_merge_gives():
+    """The one-engine shortcut of the backend aggregate against the general merge, on every kind of value."""
+    from llmdiag.collectors import engine as engine_module
+    from llmdiag.collectors.histogram import HistogramDelta
+
+    window = HistogramDelta(((0.1, 1.0), (1.0, 3.0), (math.inf, 4.0)), 4.0, 1.2)
+    signals = {
+        "requests_waiting": 3.0, "kv_cache_usage": -0.0, "requests_running": -0.0, "preemptions_total": 12.0,
+        "counter_resets_total": 0, "itl_seconds": Distribution(None, None, 0.05, 0),
+        "ttft_seconds": Distribution(*window.median_and_p99(), 0.3, 4), "nothing": None,
+        "requests_finished_total": Labelled({"reason=stop": 5.0, "reason=length": 2}),
+    }
+    deltas = {"0": {"ttft_seconds": window}}
+    single = engine_module._aggregate({"0": signals}, deltas)
+    # The general path, forced with a second engine that has none of these signals.
+    general = engine_module._aggregate({"0": signals, "1": {}}, {**deltas, "1": {}})
+    assert single == general and list(single) == list(general)
+    assert repr(single["requests_running"]) == repr(general["requests_running"]) == "0.0"
+    assert type(single["preemptions_total"]) is int and single["requests_finished_total"] is not signals["requests_finished_total"]
+    # And the one-engine distribution against the general histogram merge (an extra NA value
+    # adds nothing to it but forces that path).
+    na = Distribution(None, None, None, None)
+    for name, window_of in (("ttft_seconds", [window]), ("itl_seconds", [])):
+        shortcut = engine_module._merge_distributions(name, [signals[name]], window_of)
+        assert shortcut == engine_module._merge_distributions(name, [signals[name], na], window_of)
+    assert single["ttft_seconds"].p50 == pytest.approx(0.1 + 0.9 * (2.0 - 1.0) / 2.0)  # rank 2 of 4 in (0.1, 1.0]
