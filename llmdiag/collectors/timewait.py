@@ -44,6 +44,7 @@ keeps them.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import socket
@@ -75,6 +76,7 @@ REDUMP_SOCKETS = 50
 REDUMP_FRACTION = 0.1
 
 
+@functools.lru_cache(maxsize=4096)  # the same destinations every tick; parsing an address is not free
 def _is_loopback(destination: str) -> bool:
     host = destination.rsplit(":", 1)[0].strip("[]")
     try:
