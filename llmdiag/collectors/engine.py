@@ -232,6 +232,9 @@ class _BackendTracker:
         self.last_parsed: ParsedScrape | None = None
         self.repeat: BackendScrape | None = None
         self.repeats_total = 0  # scrapes answered from ``repeat`` (the unit tests and the benchmark read it)
+        self.last_was_repeat = False  # the last update_body answered from ``repeat``
+        # ``repeat``'s samples (backend scope, engine scope), built once: see EngineCollector._samples.
+        self.repeat_samples: tuple[list[Sample], list[Sample]] | None = None
 
     def update_body(self, body: str, fetched_at: float, alpha: float) -> BackendScrape:
         """The scrape of one ``/metrics`` body: parsed, mapped and stepped, unless it repeats the last one.
@@ -243,16 +246,18 @@ class _BackendTracker:
         change and no reset), so every further repeat gives the same signals, and the scrape is
         reused whole (a copy: the collector adds the per-scrape ``up``, ``scrape_*`` signals).
         Any other body, even one value changed, goes the full way."""
+        self.last_was_repeat = False
         if body == self.last_body and self.last_parsed is not None:
             if self.repeat is not None:
                 self.last_ok_clock = fetched_at
                 self.repeats_total += 1
+                self.last_was_repeat = True
                 return self.repeat.copy()
             scrape = self.update(self.last_parsed, fetched_at, alpha)
             if scrape.up:
-                self.repeat = scrape.copy()
+                self.repeat, self.repeat_samples = scrape.copy(), None
             return scrape
-        self.last_body = self.last_parsed = self.repeat = None  # set again only once this body is read
+        self.last_body = self.last_parsed = self.repeat = self.repeat_samples = None  # set again once this body is read
         parsed = parse_exposition(body, self.exposition)
         scrape = self.update(parsed, fetched_at, alpha)
         self.last_body, self.last_parsed = body, parsed
@@ -433,7 +438,11 @@ class EngineCollector:
         samples: list[Sample] = []
         for backend, scrape in zip(self.backends, self._scrape_all(), strict=True):
             self.results[backend.name] = scrape
-            samples.extend(self._samples(scrape))
+            tracker = self._trackers[backend.name]
+            if scrape.up and tracker.last_was_repeat and tracker.repeat is not None:
+                samples.extend(self._repeat_samples(tracker, scrape))
+            else:
+                samples.extend(self._samples(scrape))
         if self.results and any(r.up for r in self.results.values()):
             self._last_ok_ts = now
         return samples
@@ -534,12 +543,40 @@ class EngineCollector:
         return scrape
 
     @staticmethod
+    def _repeat_samples(tracker: _BackendTracker, scrape: BackendScrape) -> list[Sample]:
+        """:meth:`_samples` of a scrape answered from ``tracker.repeat``: the same samples in the same
+        order, those of the repeat built once (samples are frozen; a labelled value is copied each
+        time, as the scrape's own copy is) and only the per-scrape ``up``/``scrape_*`` ones new."""
+        assert tracker.repeat is not None
+        name = scrape.backend.name
+        if tracker.repeat_samples is None:
+            repeat = tracker.repeat
+            tracker.repeat_samples = (
+                [Sample(Scope.BACKEND, name, signal, value) for signal, value in repeat.signals.items()],
+                [Sample(Scope.ENGINE, name, signal, value, engine=engine)
+                 for engine, signals in repeat.engines.items() for signal, value in signals.items()],
+            )
+        backend_part, engine_part = tracker.repeat_samples
+        fixed = len(backend_part)
+        out = [_fresh(s) for s in backend_part]
+        out += [Sample(Scope.BACKEND, name, signal, value) for signal, value in list(scrape.signals.items())[fixed:]]
+        out += [_fresh(s) for s in engine_part]
+        return out
+
+    @staticmethod
     def _samples(scrape: BackendScrape) -> list[Sample]:
         name = scrape.backend.name
         samples = [Sample(Scope.BACKEND, name, signal, value) for signal, value in scrape.signals.items()]
         for engine, signals in scrape.engines.items():
             samples.extend(Sample(Scope.ENGINE, name, signal, value, engine=engine) for signal, value in signals.items())
         return samples
+
+
+def _fresh(sample: Sample) -> Sample:
+    """``sample`` itself, or a copy holding a copy of its labelled value (consumers own theirs)."""
+    if isinstance(sample.value, dict):
+        return Sample(sample.scope, sample.subject, sample.name, Labelled(sample.value), sample.engine)
+    return sample
 
 
 def build_engine_collector(config, backends: list[Backend]) -> EngineCollector:

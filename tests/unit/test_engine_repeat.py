@@ -163,3 +163,24 @@ def test_one_engines_backend_signals_are_what_the_general_merge_gives():
         shortcut = engine_module._merge_distributions(name, [signals[name]], window_of)
         assert shortcut == engine_module._merge_distributions(name, [signals[name], na], window_of)
     assert single["ttft_seconds"].p50 == pytest.approx(0.1 + 0.9 * (2.0 - 1.0) / 2.0)  # rank 2 of 4 in (0.1, 1.0]
+
+
+def test_a_reused_scrape_gives_the_samples_of_a_full_one_in_the_same_order():
+    bodies = [A, B, B, B, B]
+    reused = EngineCollector([Backend.from_url("http://127.0.0.1:8000", name="b0")], fetch=scripted(bodies))
+    try:
+        got = [reused.collect(float(i)) for i in range(len(bodies))]
+    finally:
+        reused.close()
+    assert reused._trackers["b0"].repeats_total == 2
+    reference = _BackendTracker(Backend.from_url("http://127.0.0.1:8000", name="b0"))
+    for body, samples in zip(bodies, got, strict=True):
+        full = reference.update(parse_exposition(body), 0.0, reused.config.ewma_alpha)
+        full.signals.update({"up": 1, "scrape_duration_seconds": 0.0, "scrape_age_seconds": 0.0})
+        expected = EngineCollector._samples(full)
+        timing = ("scrape_duration_seconds", "scrape_age_seconds")
+        assert [(s.scope, s.subject, s.name, s.engine) for s in samples] == [(s.scope, s.subject, s.name, s.engine) for s in expected]
+        assert [s.value for s in samples if s.name not in timing] == [s.value for s in expected if s.name not in timing]
+    # Labelled values are the caller's own on every tick, the built-once samples notwithstanding.
+    third, fourth = ({s.name: s for s in samples if s.engine is None} for samples in got[3:5])
+    assert third["requests_finished_total"].value is not fourth["requests_finished_total"].value
