@@ -205,6 +205,7 @@ class TcpCollector:
         self._prev_connect: dict[tuple[int, str], tuple[int, int]] = {}
         self._prev_srtt: dict[tuple[int, str], tuple[int, int]] = {}
         self._last_closes: dict[str, int] | None = None
+        self._subject_samples: dict[tuple[int, str], tuple[tuple[Any, ...], list[Sample]]] = {}
         # Completed connects in all of ``stats`` at the last two reads (see _connect_hist).
         self._connects_seen: deque[int] = deque(maxlen=2)
         self.hist_reads_total = 0  # connect_hist map reads (the tests read it)
@@ -411,10 +412,21 @@ class TcpCollector:
             stats.setdefault(key, {})
 
         samples: list[Sample] = []
+        built: dict[tuple[int, str], tuple[tuple[Any, ...], list[Sample]]] = {}
         for subject, values in sorted(stats.items()):
             signals = self._signals(subject, values, now)
-            for scope, name in self._subjects(subject):
-                samples.extend(Sample(scope, name, signal, value) for signal, value in signals.items())
+            subjects = self._subjects(subject)
+            # An idle endpoint's signals repeat tick after tick: its samples (frozen) are reused
+            # when the names, values, their types and the subjects are all the same as last tick.
+            key = (tuple(subjects), tuple(signals), tuple(signals.values()), tuple(map(type, signals.values())))
+            last = self._subject_samples.get(subject)
+            if last is not None and last[0] == key:
+                made = last[1]
+            else:
+                made = [Sample(scope, name, signal, value) for scope, name in subjects for signal, value in signals.items()]
+            built[subject] = (key, made)
+            samples.extend(made)
+        self._subject_samples = built
         samples.extend(self._host_samples())
         self._last_ok_ts = now
         return samples

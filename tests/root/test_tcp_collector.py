@@ -16,7 +16,7 @@ import pytest
 from llmdiag.bpf.loader import BPFUnavailable
 from llmdiag.collectors.tcp import TcpCollector
 from llmdiag.config.tcp import TcpConfig
-from llmdiag.model import Backend, CollectorState, Snapshot
+from llmdiag.model import Backend, CollectorState, Scope, Snapshot
 
 pytestmark = pytest.mark.root
 
@@ -420,5 +420,23 @@ def test_connect_hist_is_read_again_only_after_new_connects(listener: socket.soc
         for client, server_side in pairs:
             client.close()
             server_side.close()
+    finally:
+        collector.close()
+
+
+def test_an_idle_endpoints_samples_are_reused_and_a_change_is_read(listener: socket.socket) -> None:
+    collector, _ = _collector(listener)
+    try:
+        client, server_side = _pair(listener)
+        _settle(collector, lambda s: s.backends.get("b0", {}).get("tcp_connections_active") == 1)
+        first = {(s.scope, s.subject, s.name): s for s in collector.collect(time.time()) if s.subject == "b0"}
+        second = {(s.scope, s.subject, s.name): s for s in collector.collect(time.time()) if s.subject == "b0"}
+        assert first.keys() == second.keys() and all(second[k] is first[k] for k in first)  # idle: the same objects
+        server_side.sendall(b"x" * 1000)
+        _recv_exactly(client, 1000)
+        later = _settle(collector, lambda s: s.backends["b0"]["tcp_send_bytes_total"] >= 1000)
+        assert later.backends["b0"]["tcp_send_bytes_total"] == first[(Scope.BACKEND, "b0", "tcp_send_bytes_total")].value + 1000
+        client.close()
+        server_side.close()
     finally:
         collector.close()
