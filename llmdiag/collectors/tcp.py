@@ -57,6 +57,7 @@ from llmdiag.bpf.loader import BPFUnavailable, Program, check_environment, progr
 from llmdiag.collectors.base import AttachNeed
 from llmdiag.collectors.histogram import histogram_quantiles
 from llmdiag.collectors.own_sockets import OWN_PORTS, OwnPorts, Pair
+from llmdiag.collectors.sample_reuse import SampleReuse
 from llmdiag.collectors.sockdiag import SockDiagError, format_endpoint, iter_tcp
 from llmdiag.config.tcp import TcpConfig
 from llmdiag.model import Backend, CollectorState, CollectorStatus, Distribution, Labelled, Sample, Scope
@@ -205,7 +206,7 @@ class TcpCollector:
         self._prev_connect: dict[tuple[int, str], tuple[int, int]] = {}
         self._prev_srtt: dict[tuple[int, str], tuple[int, int]] = {}
         self._last_closes: dict[str, int] | None = None
-        self._subject_samples: dict[tuple[int, str], tuple[tuple[Any, ...], list[Sample]]] = {}
+        self._reuse = SampleReuse()
         # Completed connects in all of ``stats`` at the last two reads (see _connect_hist).
         self._connects_seen: deque[int] = deque(maxlen=2)
         self.hist_reads_total = 0  # connect_hist map reads (the tests read it)
@@ -412,21 +413,13 @@ class TcpCollector:
             stats.setdefault(key, {})
 
         samples: list[Sample] = []
-        built: dict[tuple[int, str], tuple[tuple[Any, ...], list[Sample]]] = {}
         for subject, values in sorted(stats.items()):
             signals = self._signals(subject, values, now)
-            subjects = self._subjects(subject)
-            # An idle endpoint's signals repeat tick after tick: its samples (frozen) are reused
-            # when the names, values, their types and the subjects are all the same as last tick.
-            key = (tuple(subjects), tuple(signals), tuple(signals.values()), tuple(map(type, signals.values())))
-            last = self._subject_samples.get(subject)
-            if last is not None and last[0] == key:
-                made = last[1]
-            else:
-                made = [Sample(scope, name, signal, value) for scope, name in subjects for signal, value in signals.items()]
-            built[subject] = (key, made)
-            samples.extend(made)
-        self._subject_samples = built
+            subjects = tuple(self._subjects(subject))
+            # An idle endpoint's signals repeat tick after tick: its samples are built once.
+            samples.extend(self._reuse.samples((subject, subjects), signals, lambda s=signals, n=subjects: [
+                Sample(scope, name, signal, value) for scope, name in n for signal, value in s.items()]))
+        self._reuse.next_tick()
         samples.extend(self._host_samples())
         self._last_ok_ts = now
         return samples

@@ -56,6 +56,7 @@ from typing import Any
 
 from llmdiag.collectors import procnet
 from llmdiag.collectors.own_sockets import OWN_PORTS
+from llmdiag.collectors.sample_reuse import SampleReuse
 from llmdiag.collectors.sockdiag import SockDiagError, dump_tcp
 from llmdiag.config.tcp import TimewaitConfig
 from llmdiag.model import Backend, CollectorState, CollectorStatus, Sample, Scope
@@ -141,6 +142,7 @@ class TimewaitCollector:
         # The last good dump: (its tick, the host's TIME_WAIT total then, its per-destination counts).
         self._dump: tuple[int, int | None, Mapping[str, object]] | None = None
         self.dumps_total = 0  # sock_diag dumps sent (the tests and the benchmark read it)
+        self._reuse = SampleReuse()
 
     def set_entry_source(self, source: ActiveCloseSource | None) -> None:
         self.entry_source = source
@@ -266,16 +268,18 @@ class TimewaitCollector:
                 rate = bpf_rates.get(dest, 0.0)
             else:
                 rate = recent / window
-            samples.append(Sample(Scope.DESTINATION, dest, "timewait_sockets", tw))
-            samples.append(Sample(Scope.DESTINATION, dest, "timewait_entry_rate", rate))
-            if usable is None:
-                continue
-            reusable = reuse == 1 or (reuse == 2 and _is_loopback(dest))
-            held_tw = min(tw, int(rate * _TW_REUSE_AGE_SECONDS + 0.999)) if reusable else tw
-            available = max(0, usable - other - held_tw)
-            samples.append(Sample(Scope.DESTINATION, dest, "ephemeral_ports_available", available))
-            if rate > 0:
-                samples.append(Sample(Scope.DESTINATION, dest, "port_exhaustion_eta_seconds", available / rate))
+            signals: dict[str, float | int] = {"timewait_sockets": tw, "timewait_entry_rate": rate}
+            if usable is not None:
+                reusable = reuse == 1 or (reuse == 2 and _is_loopback(dest))
+                held_tw = min(tw, int(rate * _TW_REUSE_AGE_SECONDS + 0.999)) if reusable else tw
+                available = max(0, usable - other - held_tw)
+                signals["ephemeral_ports_available"] = available
+                if rate > 0:
+                    signals["port_exhaustion_eta_seconds"] = available / rate
+            # Between dumps most destinations repeat their signals: their samples are built once.
+            samples.extend(self._reuse.samples(dest, signals, lambda d=dest, g=signals: [
+                Sample(Scope.DESTINATION, d, name, value) for name, value in g.items()]))
+        self._reuse.next_tick()
         return samples
 
     # -- contract ---------------------------------------------------------------
