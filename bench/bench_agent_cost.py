@@ -20,6 +20,13 @@ a user runs it. After the BPF programs are attached and 5 s of warm-up, for ``--
 
 ``--collectors engine,proc,timewait`` measures the same without the BPF collectors.
 
+``--profile FILE`` also samples the agent with py-spy (``pip install py-spy``) over the measured
+window (100 Hz, samples holding the GIL only, i.e. the agent's Python CPU; time inside a syscall
+such as the sock_diag walk is not in it), writes py-spy's raw collapsed stacks to ``FILE`` and a
+flat profile next to it (``FILE.flat.txt``: inclusive and self shares of the samples per llmdiag
+function, and self shares per file). py-spy pauses the agent for each sample, so the CPU and tick
+figures of a profiled run are not comparable with an unprofiled one.
+
 Results: ``bench/results/agent_cost.json``.
 """
 
@@ -30,7 +37,9 @@ import asyncio
 import json
 import os
 import signal
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -45,9 +54,11 @@ from agent_support import AgentProcess, fake_engines, http  # noqa: E402
 RESULTS = REPO / "bench" / "results" / "agent_cost.json"
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of ``pid`` (``utime``, ``stime`` in ``/proc/PID/stat``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def status_kib(pid: int, key: str) -> int:
@@ -89,6 +100,55 @@ def histogram(url: str) -> dict[str, float]:
     return out
 
 
+def start_profiler(pid: int, seconds: float, raw: Path) -> subprocess.Popen[bytes]:
+    """py-spy on ``pid`` for ``seconds``: collapsed stacks of the samples that hold the GIL."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).exists():
+        raise SystemExit("--profile needs py-spy: pip install py-spy")
+    return subprocess.Popen([spy, "record", "-p", str(pid), "-o", str(raw), "-f", "raw", "-r", "100",
+                             "-d", str(max(1, int(seconds))), "--gil"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _frame_key(frame: str) -> tuple[str, str]:
+    """``"collect (llmdiag/collectors/engine.py:270)"`` -> ``("collect", "llmdiag/collectors/engine.py")``."""
+    name, _, where = frame.rpartition(" (")
+    return (name or frame), where.rstrip(")").rsplit(":", 1)[0]
+
+
+def flat_profile(raw: Path, top: int = 40) -> str:
+    """Inclusive and self shares of py-spy's collapsed stacks ("f1;f2;...;fn COUNT" per line)."""
+    total = 0
+    inclusive: dict[tuple[str, str], int] = {}
+    self_fn: dict[tuple[str, str], int] = {}
+    self_file: dict[str, int] = {}
+    for line in raw.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        total += count
+        frames = [_frame_key(f) for f in stack.split(";")]
+        for key in set(frames):
+            if "llmdiag" in key[1]:
+                inclusive[key] = inclusive.get(key, 0) + count
+        leaf = frames[-1]
+        self_fn[leaf] = self_fn.get(leaf, 0) + count
+        self_file[leaf[1]] = self_file.get(leaf[1], 0) + count
+    if not total:
+        return "no samples (was py-spy allowed to attach? run as root)\n"
+
+    def table(title: str, counts: dict, label) -> list[str]:
+        rows = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+        return [title] + [f"{100 * n / total:6.1f} %  {label(k)}" for k, n in rows] + [""]
+
+    out = [f"{total} samples holding the GIL", ""]
+    out += table("inclusive, llmdiag functions:", inclusive, lambda k: f"{k[0]} ({k[1]})")
+    out += table("self, functions:", self_fn, lambda k: f"{k[0]} ({k[1]})")
+    out += table("self, files:", self_file, lambda k: k)
+    return "\n".join(out)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", type=int, default=16)
@@ -96,6 +156,8 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=4.0, help="requests/s over all backends (default 4)")
     parser.add_argument("--collectors", default="", metavar="A,B",
                         help="[agent] collectors (default: all; e.g. engine,proc,timewait to see the cost without BPF)")
+    parser.add_argument("--profile", metavar="FILE", default=None,
+                        help="also sample the agent with py-spy; raw stacks to FILE, flat profile to FILE.flat.txt")
     parser.add_argument("--out", default=str(RESULTS), help=f"results file (default {RESULTS.relative_to(REPO)})")
     args = parser.parse_args()
     # SIGTERM (timeout, Ctrl-C elsewhere) unwinds through the finally blocks: no orphaned servers.
@@ -123,17 +185,22 @@ def main() -> int:
             time.sleep(5)
             state = agent.state()
             pid = agent.proc.pid
-            h0, c0, t0 = histogram(agent.url), cpu_seconds(pid), time.monotonic()
+            h0, c0, t0 = histogram(agent.url), cpu_times(pid), time.monotonic()
+            profiler = start_profiler(pid, args.seconds, Path(args.profile)) if args.profile else None
             per_collector: dict[str, list[float]] = {}
             while time.monotonic() - t0 < args.seconds:
                 time.sleep(min(5.0, max(0.0, args.seconds - (time.monotonic() - t0))))
                 for key, value in histogram(agent.url).items():
                     if key.startswith("collector="):
                         per_collector.setdefault(key[len("collector="):], []).append(value)
-            h1, c1, t1 = histogram(agent.url), cpu_seconds(pid), time.monotonic()
+            h1, c1, t1 = histogram(agent.url), cpu_times(pid), time.monotonic()
             rss, hwm = status_kib(pid, "VmRSS"), status_kib(pid, "VmHWM")
             anon, file_backed = status_kib(pid, "RssAnon"), status_kib(pid, "RssFile")
             llvm_sharers = processes_mapping("/libLLVM", pid)
+            if profiler is not None:
+                _, err = profiler.communicate(timeout=60)
+                if profiler.returncode != 0:
+                    print(f"py-spy failed: {err.decode(errors='replace')[-500:]}", file=sys.stderr)
         finally:
             stop_load.set()
             code, log, took = agent.stop()
@@ -145,7 +212,11 @@ def main() -> int:
         "backends": args.backends,
         "seconds": round(t1 - t0, 1),
         "collectors": {name: c["status"] for name, c in sorted(state["collectors"].items())},
-        "cpu_percent_of_one_core": round(100 * (c1 - c0) / (t1 - t0), 2),
+        "cpu_percent_of_one_core": round(100 * (sum(c1) - sum(c0)) / (t1 - t0), 2),
+        # user: the agent's Python and libraries; system: the kernel working for it (/proc files,
+        # sock_diag walks, bpf() map reads, socket I/O, thread wake-ups)
+        "cpu_user_percent": round(100 * (c1[0] - c0[0]) / (t1 - t0), 2),
+        "cpu_system_percent": round(100 * (c1[1] - c0[1]) / (t1 - t0), 2),
         "rss_mib": round(rss / 1024, 1),
         "peak_rss_mib": round(hwm / 1024, 1),
         "rss_anon_mib": round(anon / 1024, 1),  # the agent's own heap
@@ -163,6 +234,10 @@ def main() -> int:
         "agent_stop_seconds": round(took, 2),
         "machine": f"{os.cpu_count()} CPUs, shared with other jobs",
     }
+    if args.profile and Path(args.profile).exists():
+        flat = Path(args.profile + ".flat.txt")
+        flat.write_text(flat_profile(Path(args.profile)))
+        result["profile"] = {"raw": args.profile, "flat": str(flat)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

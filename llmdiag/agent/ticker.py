@@ -18,6 +18,12 @@ __all__ = ["collect_concurrently", "collector_groups", "snapshot_ticks"]
 #: Collectors that read another's state during collect() run after it, in the same thread.
 _AFTER = {"timewait": "tcp"}
 
+#: Collectors whose every read the kernel answers at once (/proc files, BPF maps, sock_diag):
+#: pure CPU under the GIL, so a thread each only adds hand-offs and GIL switches. They run one
+#: after the other in the ticking thread while the others (HTTP scrapes, NVML calls: waits on
+#: something outside the process) run in the pool. Any collector not named here gets a thread.
+INLINE = frozenset({"proc", "tcp", "timewait", "cuda", "http2"})
+
 
 def collector_groups(collectors: Sequence[GuardedCollector]) -> list[list[GuardedCollector]]:
     """Independent groups, each run in order in one thread: the timewait collector reads the tcp
@@ -41,7 +47,10 @@ def collect_concurrently(
 ) -> tuple[Snapshot, dict[str, float]]:
     """One snapshot with the :func:`collector_groups` running side by side (a scrape waiting on
     the network overlaps /proc reads and BPF map reads), folded in the collectors' order so the
-    snapshot is the one a sequential tick gives. Returns it and each collector's seconds."""
+    snapshot is the one a sequential tick gives. Returns it and each collector's seconds.
+
+    Groups made only of :data:`INLINE` collectors run in the calling thread, after the others
+    were handed to ``pool``."""
 
     def run(group: Sequence[GuardedCollector]) -> list[tuple[GuardedCollector, list[Sample], CollectorStatus, float]]:
         out = []
@@ -51,8 +60,12 @@ def collect_concurrently(
             out.append((c, samples, c.status(), time.perf_counter() - started))
         return out
 
-    futures = [pool.submit(run, g) for g in collector_groups(collectors)]
-    results = {id(c): (samples, status, took) for f in futures for c, samples, status, took in f.result()}
+    groups = collector_groups(collectors)
+    inline = [g for g in groups if all(c.name in INLINE for c in g)]
+    futures = [pool.submit(run, g) for g in groups if not all(c.name in INLINE for c in g)]
+    done = [item for g in inline for item in run(g)]
+    done += [item for f in futures for item in f.result()]
+    results = {id(c): (samples, status, took) for c, samples, status, took in done}
     snap = Snapshot(ts=now, hostname=hostname)
     seconds: dict[str, float] = {}
     for c in collectors:

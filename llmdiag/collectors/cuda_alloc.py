@@ -200,23 +200,35 @@ class CudaAllocCollector:
         self._last_ok_ts: float | None = None
         self._errors: dict[str, int] = {}
         self._closed = False
+        self._without_driver: dict[int, int] = {}  # tgid -> vsize when its maps last showed no driver
         self.scan()
 
     # -- finding and attaching ---------------------------------------------------
     def scan(self) -> None:
         """Look for backend processes that map libcuda and are not traced yet; attach to them."""
         roots = {pid: name for name, pid in self._backend_pids().items()}
+        sizes: dict[int, int] = {}
         if self.config.include_children:
-            tree = descendants(roots, self.proc_root)
+            tree = descendants(roots, self.proc_root, sizes)
         else:
             tree = {pid: pid for pid in roots if (self.proc_root / str(pid)).is_dir()}
         self._candidates = {tgid: roots[root] for tgid, root in tree.items()}
+        # A process whose address space has the size it had when its maps showed no driver has
+        # mapped nothing since (loading libcuda adds its code and data, and CUDA's own mappings
+        # follow): its maps, the costly read of a rescan, are not read again.
+        self._without_driver = {t: v for t, v in self._without_driver.items() if t in self._candidates}
         for tgid, backend in sorted(self._candidates.items()):
             if tgid in self._traced or tgid in self._failed:
                 continue
+            vsize = sizes.get(tgid)
+            if vsize is not None and self._without_driver.get(tgid) == vsize:
+                continue
             library = find_library(tgid, self.config.library_names, self.proc_root)
             if library is None:
+                if vsize is not None:
+                    self._without_driver[tgid] = vsize
                 continue
+            self._without_driver.pop(tgid, None)
             try:
                 self._attach(tgid, backend, library)
             except (BPFUnavailable, ElfError, OSError) as exc:

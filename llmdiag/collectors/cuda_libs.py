@@ -42,6 +42,10 @@ class MappedLibrary:
 def parse_maps(text: str, names: Iterable[str]) -> MappedLibrary | None:
     """The first mapped file in ``/proc/PID/maps`` text whose base name starts with one of ``names``."""
     prefixes = tuple(names)
+    if not any(prefix in text for prefix in prefixes):
+        # A base name that starts with a prefix contains it: one substring search decides for the
+        # usual process without the driver, before any line is split (a rescan reads many).
+        return None
     for line in text.splitlines():
         # address perms offset dev inode [pathname]; the pathname may contain spaces.
         fields = line.split(maxsplit=5)
@@ -59,10 +63,22 @@ def parse_maps(text: str, names: Iterable[str]) -> MappedLibrary | None:
 def find_library(pid: int, names: Iterable[str], proc_root: str | Path = "/proc") -> MappedLibrary | None:
     """The CUDA library ``pid`` has mapped, or ``None`` (not mapped, or the process is gone)."""
     try:
-        text = (Path(proc_root) / str(pid) / "maps").read_text(errors="replace")
+        text = _read_proc(os.path.join(str(proc_root), str(pid), "maps")).decode("utf-8", "replace")
     except (FileNotFoundError, ProcessLookupError):
         return None
     return parse_maps(text, names)
+
+
+def _read_proc(path: str) -> bytes:
+    """A whole /proc file in bytes, with plain os calls (no text layer: a rescan reads ~100)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 class ElfError(ValueError):
@@ -135,11 +151,20 @@ def _parent_of(stat_text: str) -> int | None:
         return None
 
 
-def descendants(roots: Iterable[int], proc_root: str | Path = "/proc") -> dict[int, int]:
+def _vsize_of(stat_text: str) -> int | None:
+    fields = stat_text.rpartition(")")[2].split()
+    try:
+        return int(fields[20])  # field 23, vsize; fields[0] is field 3, the state
+    except (IndexError, ValueError):
+        return None
+
+
+def descendants(roots: Iterable[int], proc_root: str | Path = "/proc", sizes: dict[int, int] | None = None) -> dict[int, int]:
     """Every live process under each root pid (the roots included): ``{tgid: root}``.
 
     A root that is gone is left out. One pass over ``/proc/*/stat``; a process that
-    exits during the pass is skipped.
+    exits during the pass is skipped. ``sizes``, when given, receives each process's
+    virtual memory size (``vsize``, read in the same pass).
     """
     root_set = set(roots)
     proc = Path(proc_root)
@@ -152,12 +177,16 @@ def descendants(roots: Iterable[int], proc_root: str | Path = "/proc") -> dict[i
         if not entry.name.isdigit():
             continue
         try:
-            text = (proc / entry.name / "stat").read_text(errors="replace")
+            text = _read_proc(os.path.join(str(proc), entry.name, "stat")).decode("utf-8", "replace")
         except OSError:
             continue
         parent = _parent_of(text)
         if parent is not None:
             parents[int(entry.name)] = parent
+        if sizes is not None:
+            vsize = _vsize_of(text)
+            if vsize is not None:
+                sizes[int(entry.name)] = vsize
     children: dict[int, list[int]] = {}
     for pid, parent in parents.items():
         children.setdefault(parent, []).append(pid)

@@ -13,7 +13,11 @@ backend), a scrape whose kept lines are the last clean scrape's lines with
 only the values changed reuses that parse's names and labels and converts
 the values alone (no label parsing, ~10x cheaper); any other difference (a
 new series, a timestamp, a comment, a value the parser would refuse) goes
-through the full parser again, so the result is the same either way.
+through the full parser again, so the result is the same either way. Such a
+scrape also carries the structure's :attr:`ParsedScrape.memo`, where
+:func:`read_engines` (and the collector) keep what depends on names and labels
+alone: which rows each rule reads for which engine, the model names, the
+dialect. They are worked out once per structure, not once per scrape.
 
 :func:`read_engines` applies a :class:`~llmdiag.collectors.engine_names.Dialect`
 and returns one :class:`EngineReading` per data-parallel engine: gauges,
@@ -79,6 +83,9 @@ class ParsedScrape:
     series: dict[str, Series] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     lines: int = 0
+    #: Shared by every scrape of one structure (same series, labels and order; see the module
+    #: docstring), None after a full parse. Its rows' label dicts are shared too: read-only.
+    memo: dict | None = field(default=None, compare=False, repr=False)
 
     def names(self) -> frozenset[str]:
         return frozenset(self.series)
@@ -96,15 +103,22 @@ def _keep(line: str) -> bool:
 
 
 class ExpositionCache:
-    """The structure of one engine's last clean scrape: its kept lines without their values,
-    and the canonical name and labels of each sample line, in order. One per backend."""
+    """The structure of one engine's last clean scrape, one per backend: every line without its
+    value, the kept comment lines whole, and the line, canonical name and labels of each kept
+    sample line, in order."""
 
     __slots__ = ("state",)
 
     def __init__(self) -> None:
-        # (line shapes, (canonical name, labels) per sample line), swapped as one tuple: a late
-        # scrape of the same backend in another thread reads either the old or the new one.
-        self.state: tuple[tuple[str, ...], tuple[tuple[str, Labels], ...]] | None = None
+        # (heads of every line, (line index, canonical name, labels) per kept sample line, the
+        # structure's memo, (line index, line) per kept comment line), swapped as one tuple: a
+        # late scrape of the same backend in another thread reads either the old or the new one.
+        self.state: tuple[list[str], tuple[tuple[int, str, Labels], ...], dict, tuple[tuple[int, str], ...]] | None = None
+
+
+def _heads(lines: list[str]) -> list[str]:
+    """Each line up to its last space (a sample line without its value); a line without a space whole."""
+    return [line.rpartition(" ")[0] or line for line in lines]
 
 
 def _shape(line: str) -> tuple[str, str | None]:
@@ -121,49 +135,57 @@ def _shape(line: str) -> tuple[str, str | None]:
     return line[:end], rest[0]
 
 
-def _fast_values(kept: list[str], cache: ExpositionCache) -> dict[str, Series] | None:
-    """The series of ``kept`` from the cached structure, or None unless only values changed."""
+def _fast_values(lines: list[str], cache: ExpositionCache) -> tuple[dict[str, Series], dict] | None:
+    """The series of ``lines`` from the cached structure and its memo, or None unless only values changed.
+
+    Every line's head (the line up to its last space) must be the cached one: same lines, same
+    names and labels, in the same order, so the same lines are kept (whether a line is kept
+    depends on its name alone). Kept comment lines (``# TYPE``) must be the same whole. Each kept
+    sample's value must be a number the exposition parser would take too."""
     state = cache.state
-    if state is None or len(kept) != len(state[0]):
+    if state is None:
         return None
-    shapes, slots = state
+    heads, slots, memo, comments = state
+    if len(lines) != len(heads) or _heads(lines) != heads:
+        return None
+    for index, line in comments:
+        if lines[index] != line:
+            return None
+    values = [lines[index].rpartition(" ")[2] for index, _, _ in slots]
+    if "_" in " ".join(values):  # float() takes "1_000"; the exposition parser does not
+        return None
+    try:
+        numbers = list(map(float, values))
+    except ValueError:
+        return None
     series: dict[str, Series] = defaultdict(list)
-    n = 0
-    for line, want in zip(kept, shapes, strict=True):
-        shape, value = _shape(line)
-        if shape != want:
-            return None
-        if value is None:
+    for (_, name, labels), number in zip(slots, numbers, strict=True):
+        series[name].append((labels, number))  # the cached dict: nothing downstream writes to labels
+    return dict(series), memo
+
+
+def _remember(lines: list[str], kept: list[tuple[int, str]], samples: list[tuple[str, Labels]], cache: ExpositionCache) -> None:
+    """Keep the structure of a clean full parse when its samples map one to one, in order, on its
+    kept lines, and each of those lines is ``name{labels} value`` with one space before the value."""
+    comments: list[tuple[int, str]] = []
+    sample_lines: list[tuple[int, str]] = []
+    for lineno, line in kept:
+        if line.startswith("#") or not line:
+            comments.append((lineno - 1, line))
             continue
-        if "_" in value:  # float() takes "1_000"; the exposition parser does not
-            return None
-        try:
-            number = float(value)
-        except ValueError:
-            return None
-        name, labels = slots[n]
-        series[name].append((dict(labels), number))
-        n += 1
-    return dict(series) if n == len(slots) else None
-
-
-def _remember(kept: list[str], parsed: ParsedScrape, samples: list[tuple[str, Labels]], cache: ExpositionCache) -> None:
-    """Keep the structure of a clean full parse when its samples map one to one, in order, on its lines."""
-    shapes: list[str] = []
-    names: list[str] = []
-    for line in kept:
         shape, value = _shape(line)
-        shapes.append(shape)
-        if value is not None:
-            names.append(line[: len(shape)].split("{", 1)[0].strip())
-        elif not line.startswith("#") and line:
-            cache.state = None  # a sample line we cannot split (timestamp...): no fast path
+        if value is None or line.rpartition(" ")[0] != shape:
+            cache.state = None  # a sample line we cannot split (timestamp, odd spacing...): no fast path
             return
+        sample_lines.append((lineno - 1, shape.split("{", 1)[0].strip()))
     # The parser names an untyped-suffix counter sample ``x`` as ``x_total``: still the same line.
-    if len(names) != len(samples) or any(s not in (n, n + "_total") for n, (s, _) in zip(names, samples, strict=True)):
+    if len(sample_lines) != len(samples) or any(
+        s not in (n, n + "_total") for (_, n), (s, _) in zip(sample_lines, samples, strict=True)
+    ):
         cache.state = None
         return
-    cache.state = (tuple(shapes), tuple((canonical_name(s), dict(labels)) for s, labels in samples))
+    slots = tuple((index, canonical_name(s), dict(labels)) for (index, _), (s, labels) in zip(sample_lines, samples, strict=True))
+    cache.state = (_heads(lines), slots, {}, tuple(comments))
 
 
 def parse_exposition(text: str, cache: ExpositionCache | None = None) -> ParsedScrape:
@@ -174,18 +196,18 @@ def parse_exposition(text: str, cache: ExpositionCache | None = None) -> ParsedS
     that differs from the last clean one only in its values skip the label parsing.
     """
     all_lines = text.split("\n")
-    kept = [(i, line) for i, line in enumerate(all_lines, 1) if _keep(line)]
     parsed = ParsedScrape(lines=len(all_lines))
-    kept_lines = [line for _, line in kept]
     if cache is not None:
-        fast = _fast_values(kept_lines, cache)
+        fast = _fast_values(all_lines, cache)
         if fast is not None:
-            parsed.series = fast
+            parsed.series, parsed.memo = fast
             return parsed
+    kept = [(i, line) for i, line in enumerate(all_lines, 1) if _keep(line)]
+    kept_lines = [line for _, line in kept]
     try:
         samples = _collect(parsed, "\n".join(kept_lines) + "\n")
         if cache is not None:
-            _remember(kept_lines, parsed, samples, cache)
+            _remember(all_lines, kept, samples, cache)
         return parsed
     except Exception:  # noqa: BLE001 - any parser failure: find the bad lines instead
         parsed.series.clear()
@@ -268,11 +290,35 @@ def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
     engines: dict[str, EngineReading] = defaultdict(EngineReading)
     problems: list[str] = []
     done: set[tuple[str, str]] = set()  # (engine, signal) already filled by an earlier rule
-    for rule in dialect.rules:
-        try:
-            per_engine = _apply(rule, parsed, dialect, problems)
-        except (ValueError, ArithmeticError) as exc:
-            problems.append(f"{rule.metric}: {exc}")
+    # With a structure memo, a rule whose input rows are the ones it read in the last scrape of
+    # this structure (an idle histogram, an unchanged gauge) gives what it gave then: its result
+    # is kept per rule, and only the rules whose rows moved run again.
+    memo = parsed.memo
+    series = parsed.series
+    last = memo.get(("rules", dialect.engine)) if memo is not None else None
+    moved: set[str] = set()
+    inputs: list[frozenset[str]] = []
+    if last is not None:
+        # One comparison per series (the label dicts are the structure's own, so mostly identity).
+        moved = {name for name, rows in series.items() if rows != last[0].get(name)}
+        inputs = last[2]
+    elif memo is not None:
+        inputs = [frozenset(_rule_inputs(rule)) for rule in dialect.rules]
+    outputs: list[tuple[dict | None, list[str]]] = []
+    for i, rule in enumerate(dialect.rules):
+        if last is not None and moved.isdisjoint(inputs[i]):
+            per_engine, added = last[1][i]
+            problems.extend(added)
+        else:
+            before = len(problems)
+            try:
+                per_engine = _apply(rule, parsed, dialect, problems)
+            except (ValueError, ArithmeticError) as exc:
+                problems.append(f"{rule.metric}: {exc}")
+                per_engine = None
+            added = problems[before:]
+        outputs.append((per_engine, added))
+        if per_engine is None:
             continue
         for engine, store in per_engine.items():
             key = (engine, rule.signal)
@@ -282,14 +328,30 @@ def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
                 continue
             done.add(key)
             store(engines[engine])
-    models = sorted({
-        labels[name]
-        for rows in parsed.series.values()
-        for labels, _ in rows[:64]
-        for name in ("model_name", "model")
-        if labels.get(name)
-    })
-    return Reading(dict(engines), tuple(models), problems)
+    if memo is not None:
+        memo[("rules", dialect.engine)] = (series, outputs, inputs)
+    models = parsed.memo.get("models") if parsed.memo is not None else None
+    if models is None:
+        models = tuple(sorted({
+            labels[name]
+            for rows in parsed.series.values()
+            for labels, _ in rows[:64]
+            for name in ("model_name", "model")
+            if labels.get(name)
+        }))
+        if parsed.memo is not None:
+            parsed.memo["models"] = models
+    return Reading(dict(engines), models, problems)
+
+
+def _rule_inputs(rule: Rule) -> tuple[str, ...]:
+    """Every series name :func:`_apply` may read for ``rule`` (a superset is safe: it only means
+    a rule runs again when it need not)."""
+    base, alt = rule.canonical, rule.metric.replace(":", "_")
+    found = [base + suffix for suffix in _SUFFIXES] + [alt + suffix for suffix in _SUFFIXES]
+    if rule.canonical_other:
+        found.append(rule.canonical_other)
+    return tuple(dict.fromkeys(found))
 
 
 def _group(rows: Series, rule_match: tuple[tuple[str, str], ...], dialect: Dialect) -> dict[str, Series]:
@@ -300,13 +362,31 @@ def _group(rows: Series, rule_match: tuple[tuple[str, str], ...], dialect: Diale
     return out
 
 
+def _grouped(parsed: ParsedScrape, name: str, rule_match: tuple[tuple[str, str], ...], dialect: Dialect) -> dict[str, Series]:
+    """``_group`` of series ``name``; with a structure memo, which rows go to which engine is
+    worked out once per structure (labels do not change with it) and only the rows are picked."""
+    rows = parsed.series.get(name) or []
+    memo = parsed.memo
+    if memo is None:
+        return _group(rows, rule_match, dialect)
+    key = ("group", name, rule_match, dialect.engine_label)
+    plan: dict[str, list[int]] | None = memo.get(key)
+    if plan is None:
+        plan = {}
+        for i, (labels, _) in enumerate(rows):
+            if _matches(labels, rule_match):
+                plan.setdefault(_engine_of(labels, dialect), []).append(i)
+        memo[key] = plan
+    return {engine: [rows[i] for i in indices] for engine, indices in plan.items()}
+
+
 def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[str]):  # noqa: C901 - one branch per kind
     """``{engine: store(reading)}`` for the engines this rule has data for."""
     name, signal, kind, scale = rule.canonical, rule.signal, rule.kind, rule.scale
     out = {}
 
     if kind in (Kind.GAUGE, Kind.COUNTER):
-        for engine, rows in _group(parsed.series.get(name, []), rule.match, dialect).items():
+        for engine, rows in _grouped(parsed, name, rule.match, dialect).items():
             values = _finite([v for _, v in rows])
             if not values:
                 continue
@@ -315,7 +395,7 @@ def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[st
             out[engine] = lambda r, v=value, t=target: getattr(r, t).__setitem__(signal, v)
 
     elif kind in (Kind.LABELLED_COUNTER, Kind.LABELLED_GAUGE):
-        for engine, rows in _group(parsed.series.get(name, []), rule.match, dialect).items():
+        for engine, rows in _grouped(parsed, name, rule.match, dialect).items():
             labelled: dict[str, float] = defaultdict(float)
             for labels, value in rows:
                 if not math.isfinite(value):
@@ -334,7 +414,7 @@ def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[st
             out[engine] = store
 
     elif kind is Kind.RESPONSE_CLASSES:
-        for engine, rows in _group(parsed.series.get(name, []), rule.match, dialect).items():
+        for engine, rows in _grouped(parsed, name, rule.match, dialect).items():
             classes: dict[str, float] = defaultdict(float)
             for labels, value in rows:
                 cls = response_class(labels.get(rule.source_label or "status", ""))
@@ -345,9 +425,9 @@ def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[st
                 out[engine] = lambda r, d=dict(classes): r.labelled_counters.__setitem__(signal, d)
 
     elif kind is Kind.HISTOGRAM:
-        buckets = _group(parsed.series.get(name + "_bucket", []), rule.match, dialect)
-        counts = _group(parsed.series.get(name + "_count", []), rule.match, dialect)
-        sums = _group(parsed.series.get(name + "_sum", []), rule.match, dialect)
+        buckets = _grouped(parsed, name + "_bucket", rule.match, dialect)
+        counts = _grouped(parsed, name + "_count", rule.match, dialect)
+        sums = _grouped(parsed, name + "_sum", rule.match, dialect)
         for engine, rows in buckets.items():
             pairs = []
             for labels, value in rows:
@@ -370,15 +450,15 @@ def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[st
 
     elif kind in (Kind.HISTOGRAM_SUM_COUNTER, Kind.HISTOGRAM_COUNT_COUNTER):
         part, factor = ("_sum", scale) if kind is Kind.HISTOGRAM_SUM_COUNTER else ("_count", 1.0)
-        series = parsed.series.get(name + part) or parsed.series.get(rule.metric.replace(":", "_") + part, [])
-        for engine, rows in _group(series, rule.match, dialect).items():
+        series_name = name + part if parsed.series.get(name + part) else rule.metric.replace(":", "_") + part
+        for engine, rows in _grouped(parsed, series_name, rule.match, dialect).items():
             values = _finite([v for _, v in rows])
             if values:
                 out[engine] = lambda r, v=math.fsum(values) * factor: r.counters.__setitem__(signal, v)
 
     elif kind is Kind.MEAN_COUNTERS:
-        totals = _group(parsed.series.get(name, []), rule.match, dialect)
-        counts = _group(parsed.series.get(rule.canonical_other or "", []), rule.other_match, dialect)
+        totals = _grouped(parsed, name, rule.match, dialect)
+        counts = _grouped(parsed, rule.canonical_other or "", rule.other_match, dialect)
         for engine, rows in totals.items():
             total = _finite([v for _, v in rows])
             count = _finite([v for _, v in counts.get(engine, [])])
@@ -387,8 +467,8 @@ def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[st
                 out[engine] = lambda r, p=pair: r.mean_counters.__setitem__(signal, p)
 
     elif kind in (Kind.RATIO, Kind.PRODUCT):
-        first = _group(parsed.series.get(name, []), rule.match, dialect)
-        second = _group(parsed.series.get(rule.canonical_other or "", []), rule.other_match, dialect)
+        first = _grouped(parsed, name, rule.match, dialect)
+        second = _grouped(parsed, rule.canonical_other or "", rule.other_match, dialect)
         for engine, rows in first.items():
             a = _finite([v for _, v in rows])
             b = _finite([v for _, v in second.get(engine, [])])
@@ -406,7 +486,7 @@ def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[st
     elif kind is Kind.INFO_PRODUCT:
         assert rule.labels is not None
         first_label, second_label = rule.labels
-        for engine, rows in _group(parsed.series.get(name, []), rule.match, dialect).items():
+        for engine, rows in _grouped(parsed, name, rule.match, dialect).items():
             products = []
             for labels, _ in rows:
                 try:

@@ -19,7 +19,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["CumulativeHistogram", "HistogramDelta", "counter_delta", "histogram_quantile"]
+__all__ = ["CumulativeHistogram", "HistogramDelta", "counter_delta", "histogram_quantile", "histogram_quantiles"]
 
 
 def counter_delta(previous: float, current: float) -> tuple[float, bool]:
@@ -49,6 +49,10 @@ class HistogramDelta:
     def quantile(self, q: float) -> float | None:
         return histogram_quantile(q, self.buckets)
 
+    def median_and_p99(self) -> tuple[float | None, float | None]:
+        p50, p99 = histogram_quantiles((0.5, 0.99), self.buckets)
+        return p50, p99
+
 
 @dataclass(frozen=True, slots=True)
 class CumulativeHistogram:
@@ -76,6 +80,12 @@ class CumulativeHistogram:
         A reset (count, sum or any bucket went down, or the bucket layout
         changed) makes the whole current histogram the delta.
         """
+        if self.buckets == previous.buckets and self.count == previous.count and not self.sum < previous.sum:
+            # Nothing observed since (an idle engine's histograms): no reset to look for. ``value -
+            # value`` and ``self.sum - previous.sum`` give what the general case gives (0, or NaN
+            # for NaN and infinite values).
+            return HistogramDelta(tuple((le, value - value) for le, value in self.buckets), 0.0,
+                                  self.sum - previous.sum), False
         prev = dict(previous.buckets)
         reset = self.count < previous.count or set(prev) != {le for le, _ in self.buckets}
         if not reset:
@@ -100,20 +110,29 @@ def histogram_quantile(q: float, buckets: tuple[tuple[float, float], ...] | list
     fewer than two buckets or no ``+Inf`` bucket. Counts that are not
     monotonic (a torn scrape) are made monotonic first, as Prometheus does.
     """
-    if not 0.0 <= q <= 1.0 or len(buckets) < 2 or buckets[-1][0] != math.inf:
-        return None
+    return histogram_quantiles((q,), buckets)[0]
+
+
+def histogram_quantiles(qs: tuple[float, ...], buckets: tuple[tuple[float, float], ...] | list[tuple[float, float]]) -> tuple[float | None, ...]:
+    """:func:`histogram_quantile` for each of ``qs``, the buckets prepared once (p50 and p99 of one window)."""
+    if len(buckets) < 2 or buckets[-1][0] != math.inf:
+        return (None,) * len(qs)
     bounds: list[float] = []
     counts: list[float] = []
     running = 0.0
     for le, value in buckets:
         if not math.isfinite(value) or math.isnan(le):
-            return None
+            return (None,) * len(qs)
         running = max(running, value)
         bounds.append(le)
         counts.append(running)
     total = counts[-1]
     if total <= 0:
-        return None
+        return (None,) * len(qs)
+    return tuple(_interpolate(q, bounds, counts, total) if 0.0 <= q <= 1.0 else None for q in qs)
+
+
+def _interpolate(q: float, bounds: list[float], counts: list[float], total: float) -> float:
     rank = q * total
     index = next(i for i, c in enumerate(counts) if c >= rank)
     if index == len(bounds) - 1:

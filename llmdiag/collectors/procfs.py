@@ -46,6 +46,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from llmdiag.collectors.sample_reuse import SampleReuse
 from llmdiag.config import Config
 from llmdiag.model import Backend, CollectorState, CollectorStatus, Sample, Scope
 
@@ -185,6 +186,7 @@ class ProcCollector:
         self._nothing: list[str] = []  # what this tick could not find, for the status
         self._warned: set[str] = set()
         self._last_ok_ts: float | None = None
+        self._reuse = SampleReuse()  # an idle process's signals repeat: its samples are built once
 
     def set_backends(self, backends: Iterable[Backend]) -> None:
         self.backends = list(backends)
@@ -220,10 +222,12 @@ class ProcCollector:
                 continue
             if "io_read_bytes_total" not in signals and not self._malformed_in(backend.pid):
                 unreadable.append(f"{backend.name} (pid {backend.pid})")
-            samples.extend(Sample(Scope.BACKEND, backend.name, name, value) for name, value in signals.items())
+            samples.extend(self._reuse.samples(backend.name, signals, lambda n=backend.name, s=signals: [
+                Sample(Scope.BACKEND, n, name, value) for name, value in s.items()]))
         if unreadable:
             nothing.append(f"cannot read /proc/PID/io of {', '.join(unreadable)}: IO signals absent "
                            "(another user's process needs root or CAP_SYS_PTRACE)")
+        self._reuse.next_tick()
         self._nothing = nothing
         self._last_ok_ts = now
         return samples

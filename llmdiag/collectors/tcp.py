@@ -55,8 +55,9 @@ from typing import Any
 from llmdiag.bpf import features
 from llmdiag.bpf.loader import BPFUnavailable, Program, check_environment, program_tracepoints
 from llmdiag.collectors.base import AttachNeed
-from llmdiag.collectors.histogram import histogram_quantile
+from llmdiag.collectors.histogram import histogram_quantiles
 from llmdiag.collectors.own_sockets import OWN_PORTS, OwnPorts, Pair
+from llmdiag.collectors.sample_reuse import SampleReuse
 from llmdiag.collectors.sockdiag import SockDiagError, format_endpoint, iter_tcp
 from llmdiag.config.tcp import TcpConfig
 from llmdiag.model import Backend, CollectorState, CollectorStatus, Distribution, Labelled, Sample, Scope
@@ -205,6 +206,10 @@ class TcpCollector:
         self._prev_connect: dict[tuple[int, str], tuple[int, int]] = {}
         self._prev_srtt: dict[tuple[int, str], tuple[int, int]] = {}
         self._last_closes: dict[str, int] | None = None
+        self._reuse = SampleReuse()
+        # Completed connects in all of ``stats`` at the last two reads (see _connect_hist).
+        self._connects_seen: deque[int] = deque(maxlen=2)
+        self.hist_reads_total = 0  # connect_hist map reads (the tests read it)
         self._timed_pids: set[int] = set()
         self._pids_refreshed = -math.inf
         self._start(program_factory or Program.load)
@@ -340,6 +345,23 @@ class TcpCollector:
             buckets[key["slot"]] = buckets.get(key["slot"], 0) + count
         return out
 
+    def _connect_hist(self, stats: Mapping[tuple[int, str], Mapping[str, int]]) -> dict[tuple[int, str], dict[int, int]]:
+        """``connect_hist`` as of now, read only when it can have changed.
+
+        The program adds to ``connect_hist`` only right after it counts the connect in ``stats``
+        (``connects``), and nothing else writes to it. So while the total of completed connects is
+        the same at this read and the two before, the last reading still holds and the map (one
+        entry per endpoint and latency slot, hundreds of them) is not read again. Two reads, not
+        one: a connect counted in ``stats`` just before one tick's read may reach ``connect_hist``
+        just after that tick's histogram read; the next tick reads it again."""
+        connects = sum(v.get("connects", 0) for v in stats.values())
+        unchanged = len(self._connects_seen) == 2 and all(seen == connects for seen in self._connects_seen)
+        self._connects_seen.append(connects)
+        if unchanged and len(self._hist_history) > 0:
+            return self._hist_history[-1][1]  # not changed in place by anyone: shared
+        self.hist_reads_total += 1
+        return self._read_hist()
+
     def active_closes_by_destination(self) -> dict[str, int] | None:
         """Cumulative active closes per client-side ``ip:port`` (as of the last collect)."""
         if self.program is None or self.program.closed:
@@ -367,7 +389,7 @@ class TcpCollector:
             buckets.append((slot_bounds_us(slot)[1] / 1e6, float(running)))
         buckets.append((math.inf, float(running)))
         return Distribution(
-            histogram_quantile(0.5, buckets), histogram_quantile(0.99, buckets), self._ewma.get(subject), total
+            *histogram_quantiles((0.5, 0.99), buckets), self._ewma.get(subject), total
         )
 
     def collect(self, now: float) -> list[Sample]:
@@ -378,7 +400,7 @@ class TcpCollector:
         tick = self.clock()
         self._refresh_pids(tick)
         stats = self._read_stats()
-        self._hist_history.append((tick, self._read_hist()))
+        self._hist_history.append((tick, self._connect_hist(stats)))
         while len(self._hist_history) > 2 and tick - self._hist_history[1][0] >= self.config.connect_latency_window_seconds:
             self._hist_history.popleft()
         self._last_closes = {
@@ -393,8 +415,11 @@ class TcpCollector:
         samples: list[Sample] = []
         for subject, values in sorted(stats.items()):
             signals = self._signals(subject, values, now)
-            for scope, name in self._subjects(subject):
-                samples.extend(Sample(scope, name, signal, value) for signal, value in signals.items())
+            subjects = tuple(self._subjects(subject))
+            # An idle endpoint's signals repeat tick after tick: its samples are built once.
+            samples.extend(self._reuse.samples((subject, subjects), signals, lambda s=signals, n=subjects: [
+                Sample(scope, name, signal, value) for scope, name in n for signal, value in s.items()]))
+        self._reuse.next_tick()
         samples.extend(self._host_samples())
         self._last_ok_ts = now
         return samples

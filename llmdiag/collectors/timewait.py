@@ -20,6 +20,19 @@ Sources (SPEC section 4, "timewait"):
 * ``port_exhaustion_eta_seconds`` = ports available / entry rate (absent while
   the rate is zero: nothing is running out).
 
+The sock_diag dump is most of the collector's cost (the kernel walks its whole
+TCP hash table to answer it), and a TIME_WAIT socket lives 60 s, so it runs
+every ``[timewait] dump_every_ticks`` ticks (default 5), and at once on the
+first tick, after a failed dump, when the backends change, and when the host's
+TIME_WAIT total (``sockstat``, read every tick) has moved by more than
+:data:`REDUMP_SOCKETS` or :data:`REDUMP_FRACTION` of it since the last dump (a
+storm starting). In between, every per-destination signal is still there each
+tick: the counts repeat the last dump, the entry rate is read fresh from the
+tcp collector's counters when it runs (else the last dump's timers), and the
+headroom and ETA are worked out again from both. A count is then at most
+``dump_every_ticks - 1`` ticks old; for the ETA that errs by at most that many
+seconds, against rule bars of minutes.
+
 Works without BPF and without root for the ``/proc`` part; sock_diag needs no
 privilege for TCP dumps either.
 
@@ -31,6 +44,7 @@ keeps them.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import socket
@@ -42,6 +56,7 @@ from typing import Any
 
 from llmdiag.collectors import procnet
 from llmdiag.collectors.own_sockets import OWN_PORTS
+from llmdiag.collectors.sample_reuse import SampleReuse
 from llmdiag.collectors.sockdiag import SockDiagError, dump_tcp
 from llmdiag.config.tcp import TimewaitConfig
 from llmdiag.model import Backend, CollectorState, CollectorStatus, Sample, Scope
@@ -56,8 +71,13 @@ ActiveCloseSource = Callable[[], Mapping[str, int] | None]
 _HELD_STATES = ("ESTABLISHED", "SYN_SENT", "FIN_WAIT1", "FIN_WAIT2", "TIME_WAIT", "CLOSE_WAIT", "LAST_ACK", "CLOSING")
 #: tcp_twsk_unique(): a TIME_WAIT socket is reusable once its last timestamp is > 1 s old.
 _TW_REUSE_AGE_SECONDS = 1.0
+#: Dump again before the cadence is due when the host's TIME_WAIT total moved by more than this
+#: many sockets and this fraction of the total at the last dump (idle noise stays below both).
+REDUMP_SOCKETS = 50
+REDUMP_FRACTION = 0.1
 
 
+@functools.lru_cache(maxsize=4096)  # the same destinations every tick; parsing an address is not free
 def _is_loopback(destination: str) -> bool:
     host = destination.rsplit(":", 1)[0].strip("[]")
     try:
@@ -117,19 +137,35 @@ class TimewaitCollector:
         self._problems: list[str] = []
         self._last_ok_ts: float | None = None
         self.entry_rate_source = "timers"
+        self.dump_every_ticks = max(1, int(getattr(self.config, "dump_every_ticks", 1)))
+        self._tick = 0
+        # The last good dump: (its tick, the host's TIME_WAIT total then, its per-destination counts).
+        self._dump: tuple[int, int | None, Mapping[str, object]] | None = None
+        self.dumps_total = 0  # sock_diag dumps sent (the tests and the benchmark read it)
+        self._reuse = SampleReuse()
 
     def set_entry_source(self, source: ActiveCloseSource | None) -> None:
         self.entry_source = source
 
+    def set_backends(self, backends: Iterable[Backend]) -> None:
+        """Watch these backends' destinations from the next tick on; a new one is dumped at once."""
+        destinations = {backend_destination(b) for b in backends}
+        if destinations - self.backend_destinations:
+            self._dump = None
+        self.backend_destinations = destinations
+
     # -- collection ------------------------------------------------------------
     def collect(self, now: float) -> list[Sample]:
         self._problems = []
+        self._tick += 1
         samples: list[Sample] = []
+        host_tw: int | None = None
         try:
             tcp = procnet.read_sockstat(self.proc_root)["TCP"]
         except procnet.ProcNetError as exc:
             self._problems.append(str(exc))
         else:
+            host_tw = tcp.get("tw")
             for key, name in (("tw", "sockstat_tcp_tw"), ("inuse", "sockstat_tcp_inuse")):
                 if key in tcp:
                     samples.append(Sample(Scope.HOST, "", name, tcp[key]))
@@ -138,21 +174,40 @@ class TimewaitCollector:
 
         port_range, usable, reuse = self._headroom()
         window = min(self.config.rate_window_seconds, 60.0)
-        try:
-            per_dest = self.diag(
-                states=_HELD_STATES,
-                ephemeral=range(port_range.low, port_range.high + 1) if port_range else None,
-                recent_ms=int(window * 1000),
-                exclude=self.own_connections(),
-            )
-        except (SockDiagError, OSError) as exc:
-            self._problems.append(f"sock_diag dump failed: {exc}")
-            per_dest = None
+        per_dest: Mapping[str, object] | None = None
+        if self._dump_due(host_tw):
+            self._dump = None
+            try:
+                per_dest = self.diag(
+                    states=_HELD_STATES,
+                    ephemeral=range(port_range.low, port_range.high + 1) if port_range else None,
+                    recent_ms=int(window * 1000),
+                    exclude=self.own_connections(),
+                )
+            except (SockDiagError, OSError) as exc:
+                self._problems.append(f"sock_diag dump failed: {exc}")  # tried again next tick
+            else:
+                self._dump = (self._tick, host_tw, per_dest)
+            self.dumps_total += 1
+        elif self._dump is not None:
+            per_dest = self._dump[2]
         if per_dest is not None:
             samples.extend(self._destination_samples(per_dest, usable, reuse, window))
         if not self._problems:
             self._last_ok_ts = now
         return samples
+
+    def _dump_due(self, host_tw: int | None) -> bool:
+        """Whether this tick sends the sock_diag dump (see the module docstring)."""
+        if self._dump is None:
+            return True
+        tick, dumped_tw, _ = self._dump
+        if self._tick - tick >= self.dump_every_ticks:
+            return True
+        if host_tw is None or dumped_tw is None:
+            return False
+        moved = abs(host_tw - dumped_tw)
+        return moved > REDUMP_SOCKETS and moved > REDUMP_FRACTION * dumped_tw
 
     def _headroom(self) -> tuple[procnet.PortRange | None, int | None, int | None]:
         try:
@@ -213,16 +268,18 @@ class TimewaitCollector:
                 rate = bpf_rates.get(dest, 0.0)
             else:
                 rate = recent / window
-            samples.append(Sample(Scope.DESTINATION, dest, "timewait_sockets", tw))
-            samples.append(Sample(Scope.DESTINATION, dest, "timewait_entry_rate", rate))
-            if usable is None:
-                continue
-            reusable = reuse == 1 or (reuse == 2 and _is_loopback(dest))
-            held_tw = min(tw, int(rate * _TW_REUSE_AGE_SECONDS + 0.999)) if reusable else tw
-            available = max(0, usable - other - held_tw)
-            samples.append(Sample(Scope.DESTINATION, dest, "ephemeral_ports_available", available))
-            if rate > 0:
-                samples.append(Sample(Scope.DESTINATION, dest, "port_exhaustion_eta_seconds", available / rate))
+            signals: dict[str, float | int] = {"timewait_sockets": tw, "timewait_entry_rate": rate}
+            if usable is not None:
+                reusable = reuse == 1 or (reuse == 2 and _is_loopback(dest))
+                held_tw = min(tw, int(rate * _TW_REUSE_AGE_SECONDS + 0.999)) if reusable else tw
+                available = max(0, usable - other - held_tw)
+                signals["ephemeral_ports_available"] = available
+                if rate > 0:
+                    signals["port_exhaustion_eta_seconds"] = available / rate
+            # Between dumps most destinations repeat their signals: their samples are built once.
+            samples.extend(self._reuse.samples(dest, signals, lambda d=dest, g=signals: [
+                Sample(Scope.DESTINATION, d, name, value) for name, value in g.items()]))
+        self._reuse.next_tick()
         return samples
 
     # -- contract ---------------------------------------------------------------
@@ -233,6 +290,7 @@ class TimewaitCollector:
 
     def close(self) -> None:
         self._history.clear()
+        self._dump = None
 
 
 def build_timewait_collector(config: Any, backends: list[Backend]) -> TimewaitCollector:

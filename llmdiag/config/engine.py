@@ -15,7 +15,8 @@ class EngineConfig:
     max_response_bytes: int = 4 * 1024 * 1024
     #: Weight of the newest window mean in the latency EWMAs (ttft_seconds.ewma, ...).
     ewma_alpha: float = 0.2
-    #: Backends scraped at once; 16 backends with a few slow ones still finish in ~1 timeout.
+    #: Threads for the backends not at an ``http://`` IP address (``https``, host names); those at
+    #: one are all scraped at once from the collecting thread (collectors/http_multi.py).
     max_workers: int = 8
     #: Path of the metrics endpoint on each backend.
     metrics_path: str = "/metrics"

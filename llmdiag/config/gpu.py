@@ -44,7 +44,7 @@ class ProcConfig:
     #: /proc/PID/smaps_rollup (``mapped_file_bytes``, ``swap_bytes``) is read every N ticks and
     #: repeated in between: the kernel walks every mapping of the process to answer (~1.6 ms for
     #: a small Python process, more for an engine with GBs mapped), and no rule reads these signals.
-    smaps_rollup_every_ticks: int = 10
+    smaps_rollup_every_ticks: int = 60
 
     def __post_init__(self) -> None:
         if not self.proc_root:

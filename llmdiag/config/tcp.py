@@ -62,6 +62,11 @@ class TimewaitConfig:
     max_destinations: int = 64
     #: Destinations with fewer TIME_WAIT sockets than this are not reported (backends always are).
     min_sockets: int = 10
+    #: The per-destination sock_diag dump (the kernel walks every TCP socket) runs every this many
+    #: ticks, and at once when the host's TIME_WAIT total moved or the backends changed; in between
+    #: the per-destination signals repeat the last dump's counts with the entry rate read fresh.
+    #: 1 = every tick.
+    dump_every_ticks: int = 5
 
     def __post_init__(self) -> None:
         if not self.rate_window_seconds > 0:
@@ -70,3 +75,5 @@ class TimewaitConfig:
             raise ValueError(f"timewait.max_destinations must be >= 1, got {self.max_destinations}")
         if self.min_sockets < 0:
             raise ValueError(f"timewait.min_sockets must be >= 0, got {self.min_sockets}")
+        if not (isinstance(self.dump_every_ticks, int) and self.dump_every_ticks >= 1):
+            raise ValueError(f"timewait.dump_every_ticks must be an integer >= 1, got {self.dump_every_ticks!r}")

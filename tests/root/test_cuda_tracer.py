@@ -297,3 +297,31 @@ def test_backend_without_pid_is_found_by_its_listening_port(library: Path, drive
         assert by_name(samples, "remote") == {}
     finally:
         collector.close()
+
+
+def test_a_process_whose_size_did_not_change_is_not_read_again_until_it_loads_the_driver(
+    library: Path, drivers: list[Driver], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from llmdiag.collectors import cuda_alloc
+
+    reads: list[int] = []
+    real = cuda_alloc.find_library
+
+    def counting(tgid, *args):  # noqa: ANN001, ANN202
+        reads.append(tgid)
+        return real(tgid, *args)
+
+    monkeypatch.setattr(cuda_alloc, "find_library", counting)
+    engine = start(drivers)
+    collector = CudaAllocCollector(CudaConfig(rescan_seconds=5.0), [backend(engine.pid, "vllm-0")])
+    try:
+        assert reads.count(engine.pid) == 1  # the first scan reads its maps: no driver yet
+        collector.collect(100.0)
+        collector.collect(105.0)
+        collector.collect(110.0)
+        assert reads.count(engine.pid) == 1  # same virtual size since: its maps are not read again
+        assert engine.send(f"load {library}") == "ok"  # the driver arrives: the address space grows
+        assert by_name(collector.collect(115.0), "vllm-0")["cuda_traced_processes"] == 1
+        assert reads.count(engine.pid) == 2
+    finally:
+        collector.close()

@@ -16,7 +16,7 @@ import pytest
 from llmdiag.bpf.loader import BPFUnavailable
 from llmdiag.collectors.tcp import TcpCollector
 from llmdiag.config.tcp import TcpConfig
-from llmdiag.model import Backend, CollectorState, Snapshot
+from llmdiag.model import Backend, CollectorState, Scope, Snapshot
 
 pytestmark = pytest.mark.root
 
@@ -395,3 +395,48 @@ def test_llmdiags_own_scrapes_are_not_counted_but_a_clients_requests_are() -> No
             assert theirs["tcp_peer_closes_total"] == 1
         finally:
             tcp.close()
+
+
+def test_connect_hist_is_read_again_only_after_new_connects(listener: socket.socket) -> None:
+    """The latency map is re-read while connects complete and for one tick after; idle ticks reuse
+    the last reading, and a new connect is in the next snapshots' latency all the same."""
+    collector, _ = _collector(listener)
+    dest = "127.0.0.1:%d" % listener.getsockname()[1]
+    try:
+        pairs = [_pair(listener)]
+        first = _settle(collector, lambda s: s.destinations.get(dest, {}).get("tcp_connect_latency_seconds") is not None
+                        and s.destinations[dest]["tcp_connect_latency_seconds"].count == 1)
+        assert first.destinations[dest]["tcp_connect_latency_seconds"].count == 1
+        for _ in range(3):
+            _snapshot(collector)  # the connect total settles: two equal reads
+        reads = collector.hist_reads_total
+        idle = [_snapshot(collector) for _ in range(3)]
+        assert collector.hist_reads_total == reads  # nothing connected: not read
+        assert all(s.destinations[dest]["tcp_connect_latency_seconds"].count == 1 for s in idle)
+        pairs.append(_pair(listener))
+        later = _settle(collector, lambda s: s.destinations[dest]["tcp_connect_latency_seconds"].count == 2)
+        assert later.destinations[dest]["tcp_connect_latency_seconds"].count == 2
+        assert collector.hist_reads_total > reads
+        for client, server_side in pairs:
+            client.close()
+            server_side.close()
+    finally:
+        collector.close()
+
+
+def test_an_idle_endpoints_samples_are_reused_and_a_change_is_read(listener: socket.socket) -> None:
+    collector, _ = _collector(listener)
+    try:
+        client, server_side = _pair(listener)
+        _settle(collector, lambda s: s.backends.get("b0", {}).get("tcp_connections_active") == 1)
+        first = {(s.scope, s.subject, s.name): s for s in collector.collect(time.time()) if s.subject == "b0"}
+        second = {(s.scope, s.subject, s.name): s for s in collector.collect(time.time()) if s.subject == "b0"}
+        assert first.keys() == second.keys() and all(second[k] is first[k] for k in first)  # idle: the same objects
+        server_side.sendall(b"x" * 1000)
+        _recv_exactly(client, 1000)
+        later = _settle(collector, lambda s: s.backends["b0"]["tcp_send_bytes_total"] >= 1000)
+        assert later.backends["b0"]["tcp_send_bytes_total"] == first[(Scope.BACKEND, "b0", "tcp_send_bytes_total")].value + 1000
+        client.close()
+        server_side.close()
+    finally:
+        collector.close()

@@ -82,7 +82,8 @@ def test_short_connections_fill_timewait_with_bpf_entry_rate(listener: socket.so
     tcp = TcpCollector(TcpConfig(send_timing=False), [backend])
     assert tcp.unavailable is None, tcp.unavailable
     clock = StepClock()
-    timewait = TimewaitCollector(TimewaitConfig(rate_window_seconds=30), [backend], clock=clock,
+    # dump_every_ticks=1: the counts are compared with ss right after the connections close
+    timewait = TimewaitCollector(TimewaitConfig(rate_window_seconds=30, dump_every_ticks=1), [backend], clock=clock,
                                  entry_source=tcp.active_closes_by_destination)
     try:
         _snapshot(tcp, timewait)  # first reading of the BPF counters: the rate needs two

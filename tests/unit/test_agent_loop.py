@@ -181,6 +181,39 @@ def test_concurrent_collection_gives_the_sequential_snapshot() -> None:
     assert set(seconds) == set(names)
 
 
+def test_kernel_read_collectors_run_in_the_ticking_thread_and_the_others_in_the_pool() -> None:
+    import concurrent.futures
+    import threading
+
+    from llmdiag.agent.ticker import collect_concurrently
+    from llmdiag.collectors.base import GuardedCollector
+    from llmdiag.model import CollectorState, CollectorStatus, Sample, Scope
+
+    ran_in: dict[str, str] = {}
+
+    class Where:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def collect(self, now: float) -> list[Sample]:
+            ran_in[self.name] = threading.current_thread().name
+            return [Sample(Scope.HOST, "", f"only_{self.name}", now)]
+
+        def status(self) -> CollectorStatus:
+            return CollectorStatus(CollectorState.OK)
+
+        def close(self) -> None:
+            pass
+
+    names = ["engine", "proc", "tcp", "timewait", "gpu", "cuda"]
+    with concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="pool") as pool:
+        snap, _ = collect_concurrently([GuardedCollector(Where(n)) for n in names], 1.0, "h", pool)
+    here = threading.current_thread().name
+    assert {n for n, t in ran_in.items() if t == here} == {"proc", "tcp", "timewait", "cuda"}
+    assert ran_in["engine"].startswith("pool") and ran_in["gpu"].startswith("pool")
+    assert set(snap.host) == {f"only_{n}" for n in names}
+
+
 def _labelled_backends() -> list:
     from llmdiag.model import Backend
 

@@ -148,3 +148,14 @@ def test_descendants_tricky_comm_grandchildren_and_loops(tmp_path: Path) -> None
     assert descendants([10, 30], tmp_path) == {10: 10, 11: 10, 12: 10, 30: 30, 31: 30}
     assert descendants([], tmp_path) == {}
     assert descendants([10], tmp_path / "missing") == {}
+
+
+def test_descendants_give_each_process_its_virtual_size(tmp_path: Path) -> None:
+    fields = " ".join(str(n) for n in range(4, 23))  # fields 4..22, then vsize (23) and rss (24)
+    for pid, ppid, vsize in ((10, 1, 1_000_000), (11, 10, 2_500_000)):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (we) ird) S {ppid} {fields.split(' ', 1)[1]} {vsize} 77\n")
+    _stat(tmp_path, 12, "short", 10)  # a line without a vsize field: no size, still a descendant
+    sizes: dict[int, int] = {}
+    assert descendants([10], tmp_path, sizes) == {10: 10, 11: 10, 12: 10}
+    assert sizes == {10: 1_000_000, 11: 2_500_000}

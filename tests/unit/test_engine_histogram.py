@@ -72,3 +72,18 @@ def test_quantile_is_na_or_within_the_finite_bounds(pairs, inf_count, q, with_in
         return
     finite = [le for le, _ in buckets if math.isfinite(le)]
     assert min(min(finite), 0.0) <= value <= max(finite)
+
+
+def test_an_unchanged_histogram_is_an_empty_window_and_a_lower_sum_still_a_reset():
+    h = CumulativeHistogram.build([(0.1, 4.0), (1.0, 8.0), (math.inf, 10.0)], 10.0, 5.0)
+    same = CumulativeHistogram.build([(0.1, 4.0), (1.0, 8.0), (math.inf, 10.0)], 10.0, 5.0)
+    delta, reset = same.delta_since(h)
+    assert not reset and delta.count == 0.0 and delta.sum == 0.0 and delta.mean() is None
+    assert delta.buckets == ((0.1, 0.0), (1.0, 0.0), (math.inf, 0.0)) and delta.quantile(0.5) is None
+    # Same buckets and count but a smaller sum: the engine restarted and happens to match; a reset.
+    lower = CumulativeHistogram.build([(0.1, 4.0), (1.0, 8.0), (math.inf, 10.0)], 10.0, 4.0)
+    delta, reset = lower.delta_since(h)
+    assert reset and delta.count == 10.0 and delta.sum == 4.0
+    no_sum = CumulativeHistogram.build([(0.1, 4.0), (math.inf, 4.0)], None, None)
+    delta, reset = no_sum.delta_since(no_sum)
+    assert not reset and delta.count == 0.0 and math.isnan(delta.sum)

@@ -71,3 +71,92 @@ def test_a_changed_structure_or_a_bad_value_goes_through_the_full_parser() -> No
     # A timestamp on a line: the full parser, every time.
     stamped = text.replace(line, line + " 1700000000000", 1)
     assert same(parse_exposition(stamped, cache), parse_exposition(stamped)) and cache.state is None
+
+
+@pytest.mark.parametrize("path", SCRAPES, ids=lambda p: p.name)
+def test_the_structure_memo_gives_what_a_full_read_gives(path: Path) -> None:
+    """read_engines keeps which rows each rule reads per engine in the structure's memo: the
+    readings of later scrapes of that structure are those of a full parse and read."""
+    from llmdiag.collectors.engine_names import detect_dialect
+    from llmdiag.collectors.engine_parse import read_engines
+
+    text = path.read_text()
+    cache = ExpositionCache()
+    parse_exposition(text, cache)
+    if cache.state is None:
+        pytest.skip("not a clean scrape: no structure to reuse")
+    dialect = detect_dialect(parse_exposition(text).names())
+    if dialect is None:
+        pytest.skip("no engine dialect")
+    second, third = new_values(text), new_values(new_values(text))
+    first_fast = parse_exposition(second, cache)
+    assert first_fast.memo is not None
+    assert read_engines(first_fast, dialect) == read_engines(parse_exposition(second), dialect)
+    assert any(key[0] == "group" for key in first_fast.memo if isinstance(key, tuple))  # filled now
+    again = parse_exposition(third, cache)
+    assert again.memo is first_fast.memo
+    assert read_engines(again, dialect) == read_engines(parse_exposition(third), dialect)
+
+
+def test_a_line_that_becomes_wanted_or_a_changed_type_line_goes_through_the_full_parser(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fast path compares every line's head, not only the kept lines: a dropped line (``process_*``)
+    that now names a wanted series, or a wanted family's ``# TYPE`` that changed, is not a
+    values-only change."""
+    text = (SHARED_ENGINES / "vllm_v1_real_scrape_0.9era.prom").read_text()
+    lines = text.split("\n")
+    dropped = next(i for i, ln in enumerate(lines) if ln.startswith("process_") and not ln.startswith("#"))
+    typed = next(i for i, ln in enumerate(lines) if ln.startswith("# TYPE vllm:num_requests_waiting "))
+    became_wanted = lines.copy()
+    became_wanted[dropped] = 'vllm:num_requests_waiting{engine="9",model_name="m"} 7.0'
+    retyped = lines.copy()
+    retyped[typed] = lines[typed].rsplit(" ", 1)[0] + " untyped"
+    for changed in ("\n".join(became_wanted), "\n".join(retyped)):
+        cache = ExpositionCache()
+        parse_exposition(text, cache)
+        assert cache.state is not None
+        full_runs = []
+        real = engine_parse.text_string_to_metric_families
+
+        def counting(*args: object, **kwargs: object):  # noqa: ANN202
+            full_runs.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(engine_parse, "text_string_to_metric_families", counting)
+        got = parse_exposition(changed, cache)
+        monkeypatch.setattr(engine_parse, "text_string_to_metric_families", real)
+        assert full_runs, "the full parser must read a scrape whose structure changed"
+        assert same(got, parse_exposition(changed))
+    # The extra engine's waiting count is read, as the full parse reads it.
+    rows = parse_exposition("\n".join(became_wanted), ExpositionCache()).series["vllm_num_requests_waiting"]
+    assert ({"engine": "9", "model_name": "m"}, 7.0) in rows
+
+
+def test_rules_whose_rows_did_not_move_are_not_applied_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later scrape of the same structure: only the rules reading a changed series run again,
+    and the reading is the full one."""
+    from llmdiag.collectors.engine_names import detect_dialect
+    from llmdiag.collectors.engine_parse import read_engines
+
+    text = (SHARED_ENGINES / "vllm_v1_real_scrape_0.9era.prom").read_text()
+    cache = ExpositionCache()
+    parse_exposition(text, cache)
+    dialect = detect_dialect(parse_exposition(text).names())
+    waiting = next(ln for ln in text.split("\n") if ln.startswith("vllm:num_requests_waiting{"))
+    moved = text.replace(waiting, waiting.rpartition(" ")[0] + " 42.0")
+    applied: list[str] = []
+    real_apply = engine_parse._apply
+
+    def counting(rule, *args):  # noqa: ANN001, ANN202
+        applied.append(rule.signal)
+        return real_apply(rule, *args)
+
+    monkeypatch.setattr(engine_parse, "_apply", counting)
+    read_engines(parse_exposition(text, cache), dialect)  # the first fast-path read: every rule
+    everything = len(applied)
+    applied.clear()
+    got = read_engines(parse_exposition(moved, cache), dialect)
+    assert applied == ["requests_waiting"] and everything > 10
+    assert got == read_engines(parse_exposition(moved), dialect)
+    assert got.engines["0"].gauges["requests_waiting"] == 42.0

@@ -205,7 +205,7 @@ def test_slow_cadence_keeps_a_malformed_reason_between_reads(tmp_path: Path) -> 
 
 def test_proc_cadence_config_defaults_and_checks() -> None:
     c = COLLECTOR_FACTORIES["proc"](Config.from_toml(f'[proc]\nproc_root = "{RECORDED}"\n'), [])
-    assert (c.dstate_every_ticks, c.smaps_rollup_every_ticks) == (2, 10)
+    assert (c.dstate_every_ticks, c.smaps_rollup_every_ticks) == (2, 60)
     c = COLLECTOR_FACTORIES["proc"](Config.from_toml("[proc]\ndstate_every_ticks = 1\nsmaps_rollup_every_ticks = 3\n"), [])
     assert (c.dstate_every_ticks, c.smaps_rollup_every_ticks) == (1, 3)
     with pytest.raises(ValueError, match="dstate_every_ticks must be >= 1"):

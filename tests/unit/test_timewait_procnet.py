@@ -182,3 +182,99 @@ def test_endpoint_formatting() -> None:
     assert format_endpoint(2, bytes([10, 0, 0, 7]), 8000) == "10.0.0.7:8000"
     assert format_endpoint(10, bytes(10) + b"\xff\xff" + bytes([127, 0, 0, 1]), 80) == "127.0.0.1:80"
     assert format_endpoint(10, bytes(15) + b"\x01", 443) == "[::1]:443"
+
+
+class _CountingDiag:
+    """A sock_diag stand-in that counts its dumps and answers ``counts[i]`` TIME_WAIT sockets
+    to 10.0.0.7:8000 on its i-th dump (the last one repeats)."""
+
+    def __init__(self, counts: list[int], fail_on: frozenset[int] = frozenset()) -> None:
+        self.counts = counts
+        self.fail_on = fail_on
+        self.calls = 0
+
+    def __call__(self, **_kwargs: object) -> dict[str, DestinationSockets]:
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise SockDiagError(105, "No buffer space available")
+        tw = self.counts[min(self.calls, len(self.counts)) - 1]
+        return {"10.0.0.7:8000": DestinationSockets(timewait=tw, timewait_recent=tw // 10)}
+
+
+def _sockstat(root: Path, tw: int) -> None:
+    (root / "net/sockstat").write_text(f"TCP: inuse 1 orphan 0 tw {tw} alloc 1 mem 1\n")
+
+
+def test_the_dump_runs_every_n_ticks_and_the_signals_are_there_every_tick(tmp_path: Path) -> None:
+    root = _proc_tree(tmp_path, "TCP: inuse 1 orphan 0 tw 200 alloc 1 mem 1\n", tw_reuse="0\n")
+    diag = _CountingDiag([100, 130, 160])
+    collector = TimewaitCollector(TimewaitConfig(dump_every_ticks=3), [], proc_root=root, diag=diag)
+    seen = [_collect(collector).destinations["10.0.0.7:8000"] for _ in range(7)]
+    assert diag.calls == 3  # ticks 1, 4 and 7
+    assert [d["timewait_sockets"] for d in seen] == [100, 100, 100, 130, 130, 130, 160]
+    # every signal every tick: the repeated ticks give what their dump's tick gave
+    assert all(set(d) == set(seen[0]) for d in seen)
+    assert seen[1] == seen[0] and seen[5] == seen[3]
+    assert seen[4]["port_exhaustion_eta_seconds"] == (28232 - 130) / 1.3
+
+
+def test_a_jump_of_the_host_timewait_total_dumps_at_once(tmp_path: Path) -> None:
+    root = _proc_tree(tmp_path, "TCP: inuse 1 orphan 0 tw 1000 alloc 1 mem 1\n")
+    diag = _CountingDiag([100, 900])
+    collector = TimewaitCollector(TimewaitConfig(dump_every_ticks=10), [], proc_root=root, diag=diag)
+    _collect(collector)
+    _sockstat(root, 1040)  # idle noise: under REDUMP_SOCKETS
+    assert _collect(collector).destinations["10.0.0.7:8000"]["timewait_sockets"] == 100
+    assert diag.calls == 1
+    _sockstat(root, 1800)  # a storm starting
+    assert _collect(collector).destinations["10.0.0.7:8000"]["timewait_sockets"] == 900
+    assert diag.calls == 2
+
+
+def test_a_new_backend_is_dumped_at_once(tmp_path: Path) -> None:
+    root = _proc_tree(tmp_path, "TCP: inuse 1 orphan 0 tw 200 alloc 1 mem 1\n")
+    diag = _CountingDiag([100])
+    collector = TimewaitCollector(TimewaitConfig(dump_every_ticks=10), [], proc_root=root, diag=diag)
+    _collect(collector)
+    collector.set_backends([Backend.from_url("http://10.0.0.9:8000", name="vllm-9")])
+    snap = _collect(collector)
+    assert diag.calls == 2
+    assert snap.destinations["10.0.0.9:8000"]["timewait_sockets"] == 0
+    collector.set_backends([])  # a backend gone is no reason to dump
+    _collect(collector)
+    assert diag.calls == 2
+
+
+def test_a_failed_dump_is_tried_again_the_next_tick(tmp_path: Path) -> None:
+    root = _proc_tree(tmp_path, "TCP: inuse 1 orphan 0 tw 200 alloc 1 mem 1\n")
+    diag = _CountingDiag([100, 100, 120], fail_on=frozenset({2}))
+    collector = TimewaitCollector(TimewaitConfig(dump_every_ticks=2), [], proc_root=root, diag=diag)
+    _collect(collector)
+    _collect(collector)
+    failed = _collect(collector)  # tick 3: due, fails
+    assert "sock_diag dump failed" in collector.status().reason and not failed.destinations
+    again = _collect(collector)  # tick 4: not waiting for the cadence
+    assert diag.calls == 3 and again.destinations["10.0.0.7:8000"]["timewait_sockets"] == 120
+    assert collector.status().status is CollectorState.OK
+
+
+def test_the_bpf_entry_rate_is_fresh_between_dumps(tmp_path: Path) -> None:
+    root = _proc_tree(tmp_path, "TCP: inuse 1 orphan 0 tw 200 alloc 1 mem 1\n", tw_reuse="0\n")
+    diag = _CountingDiag([500])
+    totals = {"10.0.0.7:8000": 1000}
+    now = [0.0]
+    collector = TimewaitCollector(TimewaitConfig(rate_window_seconds=10, dump_every_ticks=5), [], proc_root=root,
+                                  clock=lambda: now[0], diag=diag, entry_source=lambda: totals)
+    _collect(collector)
+    now[0], totals["10.0.0.7:8000"] = 2.0, 1100
+    second = _collect(collector).destinations["10.0.0.7:8000"]
+    now[0], totals["10.0.0.7:8000"] = 4.0, 1400
+    third = _collect(collector).destinations["10.0.0.7:8000"]
+    assert diag.calls == 1
+    assert second["timewait_entry_rate"] == 50.0 and third["timewait_entry_rate"] == 100.0
+    assert third["port_exhaustion_eta_seconds"] == (28232 - 500) / 100.0
+
+
+def test_dump_every_ticks_must_be_a_positive_integer() -> None:
+    with pytest.raises(ValueError, match="dump_every_ticks"):
+        TimewaitConfig(dump_every_ticks=0)
