@@ -43,6 +43,19 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+def engine_clock_start(url: str) -> float:
+    """Unix time at which a fake engine's clock (the origin of its fault schedule) started.
+
+    Read from its ``process_start_time_seconds``: a benchmark lines its load up with it
+    so that a scheduled fault falls at a known instant of the load.
+    """
+    with urllib.request.urlopen(url + "/metrics", timeout=5.0) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("process_start_time_seconds "):
+                return float(line.split(" ", 1)[1])
+    raise RuntimeError(f"{url}/metrics has no process_start_time_seconds")
+
+
 class Fleet:
     """Starts processes and stops them all (SIGTERM, then SIGKILL) on close."""
 
@@ -104,7 +117,9 @@ class Fleet:
             "defaults\n    mode http\n    timeout connect 2s\n    timeout client 120s\n    timeout server 120s\n"
             "    option http-keep-alive\n    option http-no-delay\n    http-reuse safe\n"
             f"frontend fe\n    bind 127.0.0.1:{port}\n    default_backend llm\n"
-            f"backend llm\n    balance {balance}\n" + "\n".join(servers) + "\n")
+            f"backend llm\n    balance {balance}\n"
+            # Name the server that answered, as the gateway does: the load generator records it.
+            "    http-response set-header x-llmdiag-backend %si:%sp\n" + "\n".join(servers) + "\n")
         self.spawn([exe, "-f", str(cfg), "-db"], f"haproxy-{port}")
         url = f"http://127.0.0.1:{port}"
         # HAProxy answers / with a 503 from the engines' 404... any HTTP answer means it listens.
