@@ -128,41 +128,89 @@ def _tokens_out(eng: EngineModel) -> int:
     return done
 
 
+class CpuLimit:
+    """Caps one process at a fraction of a CPU with a cgroup (v1 ``cpu`` controller or v2 ``cpu.max``),
+    to see what a CPU-starved wall-clock driver does. Root only; removed on exit."""
+
+    def __init__(self, pid: int, fraction: float) -> None:
+        period = 100_000
+        quota = max(1000, int(fraction * period))
+        v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+        if (v1 / "cpu.cfs_quota_us").exists():
+            self.path = v1 / f"llmdiag-fidelity-{pid}"
+            self.path.mkdir()
+            (self.path / "cpu.cfs_period_us").write_text(str(period))
+            (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+            self.parent = v1
+        elif (v2 / "cgroup.controllers").exists():
+            self.path = v2 / f"llmdiag-fidelity-{pid}"
+            self.path.mkdir()
+            (self.path / "cpu.max").write_text(f"{quota} {period}")
+            self.parent = v2
+        else:
+            raise SystemExit("--cpu-limit needs a writable cgroup cpu controller (v1 or v2)")
+        (self.path / "cgroup.procs").write_text(str(pid))
+        self.pid = pid
+
+    def close(self) -> None:
+        try:
+            (self.parent / "cgroup.procs").write_text(str(self.pid))  # back to the root group, if still alive
+        except OSError:
+            pass
+        try:
+            self.path.rmdir()
+        except OSError as exc:
+            print(f"could not remove {self.path}: {exc}", file=sys.stderr)
+
+
 def live(schedule: list[LoadRequest], args: argparse.Namespace, sample_at: list[float]) -> dict:
     lead = args.lead
-    with Fleet() as fleet:
-        url = fleet.engine(free_port(), profile=args.preset, faults=f"slowdown:start={args.fault_at + lead},speed={args.speed}",
-                           label="slow")
-        start = scrape(url)["process_start_time_seconds"]
-        # Start the load exactly ``lead`` seconds into the engine's clock: its fault then falls at
-        # --fault-at seconds of load time, as in the simulated run.
-        wait = start + lead - time.time()
-        if wait < 0:
-            raise SystemExit(f"the engine took longer than --lead {lead:g} s to come up; raise --lead")
-        time.sleep(wait)
-        t0 = time.monotonic()
-        samples: list[dict[str, float]] = []
-        done = threading.Event()
+    limit: CpuLimit | None = None
+    try:
+        with Fleet() as fleet:
+            url = fleet.engine(free_port(), profile=args.preset,
+                               faults=f"slowdown:start={args.fault_at + lead},speed={args.speed}", label="slow")
+            if args.cpu_limit:
+                limit = CpuLimit(fleet.procs[-1].pid, args.cpu_limit)
+            return _load(url, schedule, args, sample_at)
+    finally:
+        if limit is not None:
+            limit.close()
 
-        def watch() -> None:
-            for at in sample_at:
-                if done.wait(max(0.0, t0 + at - time.monotonic())):
-                    return
-                try:
-                    m = scrape(url)
-                except OSError:
-                    continue
-                samples.append({"t": round(time.monotonic() - t0, 3), "waiting": m["vllm:num_requests_waiting"],
-                                "running": m["vllm:num_requests_running"],
-                                "generation_tokens": m["vllm:generation_tokens_total"],
-                                "steps": m["vllm:iteration_tokens_total_count"]})
 
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        report = asyncio.run(run_load([url], schedule, timeout=args.timeout, model=MODEL, duration_s=args.duration))
-        done.set()
-        watcher.join(5)
-        final = scrape(url)
+def _load(url: str, schedule: list[LoadRequest], args: argparse.Namespace, sample_at: list[float]) -> dict:
+    """Run the schedule against the engine at ``url``, starting ``--lead`` seconds into its clock."""
+    lead = args.lead
+    start = scrape(url)["process_start_time_seconds"]
+    # Start the load exactly ``lead`` seconds into the engine's clock: its fault then falls at
+    # --fault-at seconds of load time, as in the simulated run.
+    wait = start + lead - time.time()
+    if wait < 0:
+        raise SystemExit(f"the engine took longer than --lead {lead:g} s to come up; raise --lead")
+    time.sleep(wait)
+    t0 = time.monotonic()
+    samples: list[dict[str, float]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        for at in sample_at:
+            if done.wait(max(0.0, t0 + at - time.monotonic())):
+                return
+            try:
+                m = scrape(url)
+            except OSError:
+                continue
+            samples.append({"t": round(time.monotonic() - t0, 3), "waiting": m["vllm:num_requests_waiting"],
+                            "running": m["vllm:num_requests_running"],
+                            "generation_tokens": m["vllm:generation_tokens_total"],
+                            "steps": m["vllm:iteration_tokens_total_count"]})
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    report = asyncio.run(run_load([url], schedule, timeout=args.timeout, model=MODEL, duration_s=args.duration))
+    done.set()
+    watcher.join(5)
+    final = scrape(url)
     return {"ttft": [r.ttft if r.status == "200" else None for r in report.results],
             "status": [r.status for r in report.results], "lag": [r.lag for r in report.results],
             "samples": samples, "steps": final["vllm:iteration_tokens_total_count"],
@@ -202,6 +250,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--lead", type=float, default=6.0, help="seconds of engine clock before the load starts")
     parser.add_argument("--sample", type=float, default=0.5, help="queue sampling interval (s)")
+    parser.add_argument("--cpu-limit", type=float, default=None, metavar="CPUS",
+                        help="cap the fake engine at this many CPUs (cgroup; root): a CPU-starved driver")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "fake_engine_fidelity"))
     args = parser.parse_args()

@@ -108,8 +108,10 @@ class Fleet:
             addr = b.removeprefix("http://")
             line = f"    server s{i} {addr} weight 100"
             if agent_port is not None:
-                # The agent knows engines by ip:port (their --backend URLs): send that.
-                line += f" agent-check agent-addr 127.0.0.1 agent-port {agent_port} agent-inter 1s agent-send '{addr}\\n'"
+                # The agent knows engines by ip:port (their --backend URLs): send that, newline-ended. In double
+                # quotes: HAProxy reads single-quoted strings verbatim, so '...\n' sent a backslash and an "n",
+                # the agent waited for a line that never came and answered "ready up 100%" (weights never moved).
+                line += f' agent-check agent-addr 127.0.0.1 agent-port {agent_port} agent-inter 1s agent-send "{addr}\\n"'
             servers.append(line)
         cfg = self.tmp / f"haproxy-{port}.cfg"
         cfg.write_text(
