@@ -152,6 +152,14 @@ class CpuLimit:
         (self.path / "cgroup.procs").write_text(str(pid))
         self.pid = pid
 
+    def throttling(self) -> dict[str, float]:
+        """The cgroup's ``cpu.stat`` (periods, throttled periods, throttled time): did the cap bite?"""
+        try:
+            text = (self.path / "cpu.stat").read_text()
+        except OSError:
+            return {}
+        return {k: float(v) for k, v in (line.split() for line in text.splitlines() if len(line.split()) == 2)}
+
     def close(self) -> None:
         try:
             (self.parent / "cgroup.procs").write_text(str(self.pid))  # back to the root group, if still alive
@@ -172,7 +180,10 @@ def live(schedule: list[LoadRequest], args: argparse.Namespace, sample_at: list[
                                faults=f"slowdown:start={args.fault_at + lead},speed={args.speed}", label="slow")
             if args.cpu_limit:
                 limit = CpuLimit(fleet.procs[-1].pid, args.cpu_limit)
-            return _load(url, schedule, args, sample_at)
+            run = _load(url, schedule, args, sample_at)
+            if limit is not None:
+                run["cpu_stat"] = limit.throttling()
+            return run
     finally:
         if limit is not None:
             limit.close()
@@ -280,6 +291,8 @@ def main() -> None:
     print(f"{'':22}{'live':>10}{'sim':>10}")
     for key in result["live"]:
         print(f"{key:22}{_s(result['live'][key]):>10}{_s(result['sim'][key]):>10}")
+    if "cpu_stat" in liv:
+        print(f"engine cgroup cpu.stat: {liv['cpu_stat']}")
     print(f"paired TTFT live - sim: {result['paired_ttft_live_minus_sim']}; dispatch lag max "
           f"{liv['load']['dispatch_lag_s']['max']} s; load average {os.getloadavg()[0]:.2f}")
 

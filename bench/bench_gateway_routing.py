@@ -1,6 +1,6 @@
 """Routing on live engines: ``llmdiag gateway`` vs HAProxy with one engine slowed part-way, and what the simulator predicts.
 
-    .venv/bin/python bench/bench_gateway_routing.py                  # ~10 min: 5 live runs of 60 s + the simulator
+    .venv/bin/python bench/bench_gateway_routing.py                  # ~14 min: 5 live runs of 60 s + the simulator
     .venv/bin/python bench/bench_gateway_routing.py --duration 20 --fault-at 8 --policies gateway,haproxy_rr --out /tmp/r
     .venv/bin/python bench/bench_gateway_routing.py --policies haproxy_rr --keep bench/results/gateway_routing.json
 
@@ -321,16 +321,20 @@ def plot(result: dict, args: argparse.Namespace, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4))
     xs = range(len(policies))
     ax.bar([x - 0.2 for x in xs], [result["live"][p]["ttft_s"]["p99"] or 0 for p in policies], 0.4, label="live")
-    sims = [result["sim"].get(p) for p in policies]
-    heights = [s["same"]["ttft_p99"] or 0 if s else 0 for s in sims]
-    lo = [h - s["spread"]["min"] if s and s["spread"]["min"] is not None else 0 for h, s in zip(heights, sims)]
-    hi = [s["spread"]["max"] - h if s and s["spread"]["max"] is not None else 0 for h, s in zip(heights, sims)]
-    ax.bar([x + 0.2 for x in xs], heights, 0.4, yerr=[[max(0, v) for v in lo], [max(0, v) for v in hi]], capsize=4,
+    # Simulator bars only where a policy has a counterpart (nothing models HAProxy's agent-check weights).
+    sim_x = [x for x, p in zip(xs, policies) if p in result["sim"]]
+    sims = [result["sim"][p] for p in policies if p in result["sim"]]
+    heights = [s["same"]["ttft_p99"] or 0 for s in sims]
+    lo = [max(0, h - s["spread"]["min"]) if s["spread"]["min"] is not None else 0 for h, s in zip(heights, sims)]
+    hi = [max(0, s["spread"]["max"] - h) if s["spread"]["max"] is not None else 0 for h, s in zip(heights, sims)]
+    ax.bar([x + 0.2 for x in sim_x], heights, 0.4, yerr=[lo, hi], capsize=4,
            label="simulator, same run (bar: spread over seeds / round-robin quarter)")
+    top = max([result["live"][p]["ttft_s"]["p99"] or 0 for p in policies] + [h + e for h, e in zip(heights, hi)] + [1])
+    ax.set_ylim(0, top * 1.3)  # room for the legend
     ax.set_xticks(list(xs), policies, fontsize=8)
     ax.set_ylabel("P99 TTFT (s)")
     ax.set_title(f"{args.engines} fake engines, one at {args.speed:g}x speed from t={args.fault_at:g} s of load")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

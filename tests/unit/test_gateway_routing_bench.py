@@ -91,3 +91,21 @@ def test_fidelity_driver_is_the_simulators_single_engine() -> None:
     assert percentile(ttfts, 50) == pytest.approx(ref.ttft_p50, abs=1e-4)
     assert percentile(ttfts, 99) == pytest.approx(ref.ttft_p99, abs=1e-4)
     assert own["steps"] == ref.engine_steps
+
+
+def test_haproxy_config_sends_a_newline_ended_agent_line_and_names_the_server() -> None:
+    import re
+
+    import bench_gateway_common as common
+
+    cfg = common.haproxy_config(9000, ["http://127.0.0.1:8001", "http://127.0.0.1:8002"], "leastconn", agent_port=7000)
+    servers = [line for line in cfg.splitlines() if line.strip().startswith("server ")]
+    assert len(servers) == 2
+    for line, addr in zip(servers, ("127.0.0.1:8001", "127.0.0.1:8002")):
+        # Double quotes: HAProxy turns \n into a newline there; in single quotes it would send a
+        # backslash and an "n", and the agent would wait for a line that never comes.
+        assert re.search(r'agent-send "' + re.escape(addr) + r'\\n"$', line), line
+        assert "agent-port 7000" in line and f" {addr} " in line
+    assert "balance leastconn" in cfg
+    assert "http-response set-header x-llmdiag-backend %si:%sp" in cfg  # bench load records the server
+    assert "agent-check" not in common.haproxy_config(9000, ["http://127.0.0.1:8001"])
