@@ -43,6 +43,41 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+def engine_clock_start(url: str) -> float:
+    """Unix time at which a fake engine's clock (the origin of its fault schedule) started.
+
+    Read from its ``process_start_time_seconds``: a benchmark lines its load up with it
+    so that a scheduled fault falls at a known instant of the load.
+    """
+    with urllib.request.urlopen(url + "/metrics", timeout=5.0) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("process_start_time_seconds "):
+                return float(line.split(" ", 1)[1])
+    raise RuntimeError(f"{url}/metrics has no process_start_time_seconds")
+
+
+def haproxy_config(port: int, backends: list[str], balance: str = "roundrobin", agent_port: int | None = None) -> str:
+    """HAProxy's configuration: one frontend on ``port``, the engines as servers (``balance``), and with
+    ``agent_port`` an agent-check per server against ``llmdiag agent``."""
+    servers = []
+    for i, b in enumerate(backends):
+        addr = b.removeprefix("http://")
+        line = f"    server s{i} {addr} weight 100"
+        if agent_port is not None:
+            # The agent knows engines by ip:port (their --backend URLs): send that, newline-ended. In double
+            # quotes: HAProxy reads single-quoted strings verbatim, so '...\n' sent a backslash and an "n",
+            # the agent waited for a line that never came and answered "ready up 100%" (weights never moved).
+            line += f' agent-check agent-addr 127.0.0.1 agent-port {agent_port} agent-inter 1s agent-send "{addr}\\n"'
+        servers.append(line)
+    return ("global\n    maxconn 4096\n    nbthread 1\n"
+            "defaults\n    mode http\n    timeout connect 2s\n    timeout client 120s\n    timeout server 120s\n"
+            "    option http-keep-alive\n    option http-no-delay\n    http-reuse safe\n"
+            f"frontend fe\n    bind 127.0.0.1:{port}\n    default_backend llm\n"
+            f"backend llm\n    balance {balance}\n"
+            # Name the server that answered, as the gateway does: the load generator records it.
+            "    http-response set-header x-llmdiag-backend %si:%sp\n" + "\n".join(servers) + "\n")
+
+
 class Fleet:
     """Starts processes and stops them all (SIGTERM, then SIGKILL) on close."""
 
@@ -90,21 +125,8 @@ class Fleet:
         exe = shutil.which("haproxy")
         if exe is None:
             raise RuntimeError("haproxy is not installed")
-        servers = []
-        for i, b in enumerate(backends):
-            addr = b.removeprefix("http://")
-            line = f"    server s{i} {addr} weight 100"
-            if agent_port is not None:
-                # The agent knows engines by ip:port (their --backend URLs): send that.
-                line += f" agent-check agent-addr 127.0.0.1 agent-port {agent_port} agent-inter 1s agent-send '{addr}\\n'"
-            servers.append(line)
         cfg = self.tmp / f"haproxy-{port}.cfg"
-        cfg.write_text(
-            "global\n    maxconn 4096\n    nbthread 1\n"
-            "defaults\n    mode http\n    timeout connect 2s\n    timeout client 120s\n    timeout server 120s\n"
-            "    option http-keep-alive\n    option http-no-delay\n    http-reuse safe\n"
-            f"frontend fe\n    bind 127.0.0.1:{port}\n    default_backend llm\n"
-            f"backend llm\n    balance {balance}\n" + "\n".join(servers) + "\n")
+        cfg.write_text(haproxy_config(port, backends, balance, agent_port))
         self.spawn([exe, "-f", str(cfg), "-db"], f"haproxy-{port}")
         url = f"http://127.0.0.1:{port}"
         # HAProxy answers / with a 503 from the engines' 404... any HTTP answer means it listens.

@@ -14,7 +14,9 @@ generators and llmdiag's own collectors to treat it as an engine:
   ``engine``, and the API server's ``http_requests_total{handler,method,status}``
   with statuses grouped ``2xx``/``4xx``/``5xx``, as vLLM's
   prometheus-fastapi-instrumentator counts them (``/metrics`` and ``/health``
-  are not counted).
+  are not counted), and ``process_start_time_seconds`` (Unix time), which
+  here is the instant the engine clock started: fault times count from it, so
+  a benchmark can line its load up with a scheduled fault.
 
 Token counts: a request may give ``prompt_tokens`` (an extension field; load
 generators replaying traces use it), else the prompt is counted as one token
@@ -116,6 +118,11 @@ class _GaugeCollector(Collector):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric(values, float(value))
             yield g
+        # vLLM has it from prometheus_client's process collector; here it is the engine clock's
+        # start, the origin of the fault schedule (a load generator lines its schedule up with it).
+        start = GaugeMetricFamily("process_start_time_seconds", "Start time of the process since unix epoch in seconds.")
+        start.add_metric([], e.started_at_unix)
+        yield start
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                  labels=["block_size", "num_gpu_blocks", "engine"])
         info.add_metric([str(BLOCK_SIZE), str(e.model.kv_capacity_nominal // BLOCK_SIZE), e.options.engine_label], 1.0)
@@ -136,6 +143,7 @@ class FakeEngine:
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._t0 = 0.0
+        self.started_at_unix = 0.0  # wall-clock time of self._t0 (process_start_time_seconds)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -186,6 +194,7 @@ class FakeEngine:
     async def start(self) -> None:
         """Bind the port (0 picks one: see :attr:`port`) and start the engine loop."""
         self._t0 = self.clock()
+        self.started_at_unix = time.time()
         await self._listen()
         if self.options.grpc_port is not None:
             from llmdiag.sim.fake_engine_grpc import GrpcFrontend  # noqa: PLC0415 - grpcio only when asked

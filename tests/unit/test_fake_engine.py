@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import pytest
@@ -55,6 +56,24 @@ async def test_streaming_completion_yields_every_token(engine: FakeEngine) -> No
     assert metrics["vllm:time_to_first_token_seconds_count"] == 1
     assert metrics["vllm:inter_token_latency_seconds_count"] == 6
     assert metrics["vllm:num_requests_running"] == 0
+
+
+async def test_process_start_time_is_the_origin_of_the_fault_clock() -> None:
+    """A benchmark lines its load up with a scheduled fault through process_start_time_seconds."""
+    before = time.time()
+    eng = FakeEngine(FakeEngineOptions(port=0, faults=parse_faults("slowdown:start=30,speed=0.5")))
+    await eng.start()
+    after = time.time()
+    try:
+        async with aiohttp.ClientSession() as session:
+            metrics = await _metrics(session, eng)
+        start = metrics["process_start_time_seconds"]
+        assert before <= start <= after
+        assert start == eng.started_at_unix
+        # The engine clock (faults count on it) reads the seconds since that instant.
+        assert abs(eng.now() - (time.time() - start)) < 0.5
+    finally:
+        await eng.stop()
 
 
 async def test_chat_and_full_response(engine: FakeEngine) -> None:
