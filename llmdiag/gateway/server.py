@@ -19,7 +19,8 @@ between body reads, a head timeout from a head's first byte (slow-loris:
 connection closed: heads over 64 KiB or 128 lines (431), bodies over the
 limit (413), both Content-Length and Transfer-Encoding, Transfer-Encoding in
 HTTP/1.0, a CR, LF or NUL outside a CRLF, LF-only heads, control characters in
-the target, absolute-form targets, or any other malformed head (400),
+the target, an asterisk-form or authority-form target, or any other malformed
+head (400),
 transfer codings other than chunked (501). A client that does not read its
 answers stops being read from (pipelined requests wait; a streamed answer
 pauses its backend in the gateway). A client that goes away cancels its
@@ -194,6 +195,24 @@ class Exchange:
         self.end()
 
 
+def _origin_form(target: bytes) -> bytes:
+    """The path and query of an absolute-form target (``http://host/v1/models?x``), which a server must
+    accept (RFC 9112 3.2.2) though clients send it only to forward proxies; the authority is dropped
+    (the gateway picks the backend). Anything else that is not a path is refused."""
+    lowered = target[:8].lower()
+    if lowered.startswith(b"http://"):
+        rest = target[7:]
+    elif lowered.startswith(b"https://"):
+        rest = target[8:]
+    else:
+        raise BadHead(400, "request target must be a path")
+    cut = min((i for i in (rest.find(b"/"), rest.find(b"?")) if i >= 0), default=len(rest))
+    authority, path = rest[:cut], rest[cut:]
+    if not authority or b"@" in authority:  # no host, or userinfo (deprecated, a phishing vector)
+        raise BadHead(400, "bad absolute-form request target")
+    return path if path.startswith(b"/") else b"/" + path
+
+
 class _ClientConnection(asyncio.Protocol):
     def __init__(self, server: HttpServer) -> None:
         self._server = server
@@ -340,10 +359,10 @@ class _ClientConnection(asyncio.Protocol):
         method_b, target_b, version_b = parts
         if version_b not in (b"HTTP/1.1", b"HTTP/1.0") or not method_b or method_b.translate(None, _TOKEN):
             raise BadHead(400, "bad request line")
-        if not target_b.startswith(b"/"):
-            raise BadHead(400, "request target must be a path")
         if len(target_b.translate(None, _CTL_SP)) != len(target_b):
             raise BadHead(400, "control character in the request target")
+        if not target_b.startswith(b"/"):
+            target_b = _origin_form(target_b)
         headers: list[tuple[bytes, bytes]] = []
         length: int | None = None
         chunked = False

@@ -107,6 +107,24 @@ async def test_expect_100_continue_and_http_1_0() -> None:
     await server.stop()
 
 
+@pytest.mark.parametrize(("target", "path", "query"), [
+    (b"http://gw.example/v1/models", "/v1/models", ""),
+    (b"HTTPS://gw.example:8443/a?b=1", "/a", "b=1"),
+    (b"http://gw.example", "/", ""),
+    (b"http://gw.example?x", "/", "x"),
+])
+async def test_an_absolute_form_target_is_served_by_its_path(target: bytes, path: str, query: str) -> None:
+    """RFC 9112 3.2.2: a server must accept the absolute-form; the authority is dropped."""
+    server, echo = await _server()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET " + target + b" HTTP/1.1\r\nHost: gw.example\r\n\r\n")
+    line, _, body = await _read_response(reader)
+    assert line == b"HTTP/1.1 200 OK"
+    assert echo.seen[-1][:2] == ("GET", path) and json.loads(body)["query"] == query
+    writer.close()
+    await server.stop()
+
+
 @pytest.mark.parametrize(("request_bytes", "status"), [
     (b"POST /a HTTP/1.1\r\nContent-Length: 5000\r\n\r\n", b"413"),
     (b"POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n7D0\r\n" + b"x" * 2000 + b"\r\n", b"413"),
@@ -114,7 +132,10 @@ async def test_expect_100_continue_and_http_1_0() -> None:
     (b"POST /a HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n", b"400"),
     (b"POST /a HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", b"501"),
     (b"GARBAGE\r\n\r\n", b"400"),
-    (b"GET http://elsewhere/ HTTP/1.1\r\n\r\n", b"400"),
+    (b"GET http://user@elsewhere/ HTTP/1.1\r\n\r\n", b"400"),
+    (b"GET http:///a HTTP/1.1\r\n\r\n", b"400"),
+    (b"OPTIONS * HTTP/1.1\r\n\r\n", b"400"),
+    (b"CONNECT elsewhere:443 HTTP/1.1\r\n\r\n", b"400"),
     (b"GET /a HTTP/1.1\r\nBad Header: x\r\n\r\n", b"400"),
     (b"POST /a HTTP/1.1\r\nContent-Length: +3\r\n\r\nabc", b"400"),
     (b"POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0x3\r\nabc\r\n", b"400"),
