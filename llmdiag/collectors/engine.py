@@ -61,7 +61,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 from llmdiag.collectors.engine_names import AGGREGATION, Dialect, detect_dialect
@@ -579,6 +579,24 @@ def _fresh(sample: Sample) -> Sample:
     return sample
 
 
+#: A scrape's deadline is at most this share of the tick interval (see :func:`build_engine_collector`).
+SCRAPE_SHARE_OF_TICK = 0.8
+
+
 def build_engine_collector(config, backends: list[Backend]) -> EngineCollector:
-    """``COLLECTOR_FACTORIES["engine"]``: the collector for the configured (or discovered) backends."""
-    return EngineCollector(backends, config.engine)
+    """``COLLECTOR_FACTORIES["engine"]``: the collector for the configured (or discovered) backends.
+
+    The scrape deadline is ``[engine] timeout_seconds`` but never more than 0.8 of
+    ``[agent] interval_seconds``: a tick waits for its slowest scrape, so with the defaults (1 s
+    and 1 s) one hung engine made every tick last over a second, and the agent missed every other
+    tick for as long as the engine hung (its other backends seen every 2 s, the missed-ticks alert
+    firing for an engine's fault). Capped, the hung engine is still reported (``timeout``) each
+    tick and the others keep their cadence.
+    """
+    engine = config.engine
+    cap = SCRAPE_SHARE_OF_TICK * config.agent.interval_seconds
+    if engine.timeout_seconds > cap:
+        log.debug("engine scrape deadline %.3g s (0.8 of the %g s tick) instead of %g s",
+                  cap, config.agent.interval_seconds, engine.timeout_seconds)
+        engine = replace(engine, timeout_seconds=cap)
+    return EngineCollector(backends, engine)

@@ -423,7 +423,22 @@ def test_factory_is_registered():
     from llmdiag.config import Config
 
     collector = COLLECTOR_FACTORIES["engine"](Config(), [Backend.from_url("http://127.0.0.1:9")])
-    assert collector.name == "engine" and collector.config.timeout_seconds == 1.0
+    assert collector.name == "engine"
+    collector.close()
+
+
+@pytest.mark.parametrize(("toml", "deadline"), [
+    ("", 0.8),  # defaults: 1 s deadline, 1 s ticks -> capped, so a hung engine cannot stretch a tick past 1 s
+    ("[agent]\ninterval_seconds = 5\n", 1.0),  # slower ticks leave the configured deadline alone
+    ("[engine]\ntimeout_seconds = 0.3\n", 0.3),
+    ("[agent]\ninterval_seconds = 0.5\n[engine]\ntimeout_seconds = 2\n", 0.4),
+])
+def test_the_scrape_deadline_fits_in_a_tick(toml: str, deadline: float):
+    from llmdiag.agent.wiring import COLLECTOR_FACTORIES
+    from llmdiag.config import Config
+
+    collector = COLLECTOR_FACTORIES["engine"](Config.from_toml(toml), [Backend.from_url("http://127.0.0.1:9")])
+    assert collector.config.timeout_seconds == pytest.approx(deadline)
     collector.close()
 
 
