@@ -513,17 +513,15 @@ class _ClientConnection(asyncio.Protocol):
     def _start_head_clock(self) -> None:
         """A head started arriving: it has ``head_timeout_seconds`` to complete, however its bytes trickle in."""
         self._head_started = self._loop.time()
-        due = self._head_started + self._server.head_timeout_seconds
-        if self._idle_timer is not None and self._idle_timer.when() > due:
-            self._idle_timer.cancel()
-            self._idle_timer = None
-        if self._idle_timer is None:
-            self._idle_timer = self._loop.call_at(due, self._check_idle)
+        self._check_idle_by(self._head_started + self._server.head_timeout_seconds)
 
     def _start_body_clock(self) -> None:
         """A head is complete and its body still arriving: the body has ``body_timeout_seconds`` to complete."""
         self._body_started = self._loop.time()
-        due = self._body_started + self._server.body_timeout_seconds
+        self._check_idle_by(self._body_started + self._server.body_timeout_seconds)
+
+    def _check_idle_by(self, due: float) -> None:
+        """Make the idle timer fire no later than ``due``."""
         if self._idle_timer is not None and self._idle_timer.when() > due:
             self._idle_timer.cancel()
             self._idle_timer = None

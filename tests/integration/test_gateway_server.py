@@ -292,41 +292,26 @@ async def test_head_and_204_answers_carry_no_body() -> None:
     await server.stop()
 
 
-async def test_a_slowloris_head_is_cut_off_by_the_head_timeout() -> None:
-    server = HttpServer(_Echo(), max_body_bytes=1000, keepalive_seconds=30.0, head_timeout_seconds=0.3)
+@pytest.mark.parametrize(("limits", "sent_at_once", "drip"), [
+    ({"head_timeout_seconds": 0.3}, b"", b"GET /a HTTP/1.1\r\nX-Slow: " + b"a" * 10_000),  # a slow-loris head
+    ({"body_timeout_seconds": 0.3, "max_body_bytes": 100_000},
+     b"POST /a HTTP/1.1\r\nContent-Length: 50000\r\n\r\n", b"a" * 50_000),  # a body trickled byte by byte
+], ids=["head", "body"])
+async def test_a_request_trickled_byte_by_byte_is_cut_off_by_its_own_clock(limits: dict, sent_at_once: bytes,
+                                                                           drip: bytes) -> None:
+    server = HttpServer(_Echo(), **{"max_body_bytes": 1000, "keepalive_seconds": 30.0, **limits})
     await server.start("127.0.0.1", 0)
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(sent_at_once)
 
     async def trickle() -> None:
-        for byte in b"GET /a HTTP/1.1\r\nX-Slow: " + b"a" * 10_000:
+        for byte in drip:
             writer.write(bytes([byte]))
             await asyncio.sleep(0.02)  # far below the keep-alive timeout: each byte would reset an idle timer
 
     sender = asyncio.create_task(trickle())
     try:
-        line, _, _ = await _read_response(reader)  # long before the trickle (200 s) ends
-        assert line.split(b" ")[1] == b"408"
-        assert await asyncio.wait_for(reader.read(), 5) == b""
-    finally:
-        sender.cancel()
-        writer.close()
-        await server.stop()
-
-
-async def test_a_body_trickled_byte_by_byte_is_cut_off_by_the_body_timeout() -> None:
-    server = HttpServer(_Echo(), max_body_bytes=100_000, keepalive_seconds=30.0, body_timeout_seconds=0.3)
-    await server.start("127.0.0.1", 0)
-    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    writer.write(b"POST /a HTTP/1.1\r\nContent-Length: 50000\r\n\r\n")
-
-    async def trickle() -> None:
-        for _ in range(50_000):
-            writer.write(b"a")
-            await asyncio.sleep(0.02)  # each byte well within the keep-alive: only the body's own clock ends it
-
-    sender = asyncio.create_task(trickle())
-    try:
-        line, _, _ = await _read_response(reader)
+        line, _, _ = await _read_response(reader)  # long before the trickle (200 s or more) ends
         assert line.split(b" ")[1] == b"408"
         assert await asyncio.wait_for(reader.read(), 5) == b""
     finally:
