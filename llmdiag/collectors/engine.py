@@ -424,6 +424,12 @@ class EngineCollector:
             )
         self._connections = KeepAlivePool() if fetch is None else None
         self._multi = MultiFetcher() if fetch is None else None
+        # http:// backends at an IP address: all from the collecting thread, each answer read as it
+        # arrives (MultiFetcher); the others (https, host names, an injected fetch) on the thread pool.
+        # The backends are fixed for the collector's life, so the split is made once.
+        self._direct = [b for b in self.backends if self._multi is not None and direct_target(self._urls[b.name])]
+        direct_names = {b.name for b in self._direct}
+        self._threaded = [b for b in self.backends if b.name not in direct_names]
         self._fetch_url: FetchFunction = fetch or self._connections  # type: ignore[assignment]
         self._clock = clock
         self._trackers = {b.name: _BackendTracker(b) for b in self.backends}
@@ -478,10 +484,7 @@ class EngineCollector:
     def _scrape_all(self) -> list[BackendScrape]:
         if not self.backends:
             return []
-        # http:// backends at an IP address: all from this thread, each answer read as it arrives
-        # (MultiFetcher); the others (https, host names) on the thread pool with KeepAlivePool.
-        direct = [b for b in self.backends if self._multi is not None and direct_target(self._urls[b.name])]
-        threaded = [b for b in self.backends if not (self._multi is not None and direct_target(self._urls[b.name]))]
+        direct, threaded = self._direct, self._threaded
         futures = []
         if threaded:
             if self._pool is None:
