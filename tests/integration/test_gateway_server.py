@@ -125,6 +125,21 @@ async def test_an_absolute_form_target_is_served_by_its_path(target: bytes, path
     await server.stop()
 
 
+async def _assert_refused_and_closed(request_bytes: bytes, status: bytes) -> None:
+    """``request_bytes`` is answered ``status`` with ``Connection: close``, the connection closes, and
+    the handler never sees a request."""
+    server, echo = await _server()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(request_bytes)
+    line, headers, _ = await _read_response(reader)
+    assert line.split(b" ")[1] == status
+    assert headers[b"connection"] == b"close"
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed
+    assert echo.seen == []
+    writer.close()
+    await server.stop()
+
+
 @pytest.mark.parametrize(("request_bytes", "status"), [
     (b"POST /a HTTP/1.1\r\nContent-Length: 5000\r\n\r\n", b"413"),
     (b"POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n7D0\r\n" + b"x" * 2000 + b"\r\n", b"413"),
@@ -141,16 +156,7 @@ async def test_an_absolute_form_target_is_served_by_its_path(target: bytes, path
     (b"POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0x3\r\nabc\r\n", b"400"),
 ])
 async def test_malformed_or_oversized_requests_are_refused_and_closed(request_bytes: bytes, status: bytes) -> None:
-    server, echo = await _server()
-    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    writer.write(request_bytes)
-    line, headers, _ = await _read_response(reader)
-    assert line.split(b" ")[1] == status
-    assert headers[b"connection"] == b"close"
-    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed
-    assert echo.seen == []
-    writer.close()
-    await server.stop()
+    await _assert_refused_and_closed(request_bytes, status)
 
 
 async def test_client_gone_cancels_the_handler_and_a_handler_bug_is_a_500() -> None:
@@ -197,16 +203,7 @@ async def test_idle_connections_are_closed_after_keepalive() -> None:
     (b"POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", b"400"),
 ])
 async def test_smuggling_shapes_are_refused_and_closed(request_bytes: bytes, status: bytes) -> None:
-    server, echo = await _server()
-    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    writer.write(request_bytes)
-    line, headers, _ = await _read_response(reader)
-    assert line.split(b" ")[1] == status
-    assert headers[b"connection"] == b"close"
-    assert await asyncio.wait_for(reader.read(), 5) == b""
-    assert echo.seen == []
-    writer.close()
-    await server.stop()
+    await _assert_refused_and_closed(request_bytes, status)
 
 
 @pytest.mark.parametrize(("request_bytes", "status"), [
@@ -222,15 +219,7 @@ async def test_smuggling_shapes_are_refused_and_closed(request_bytes: bytes, sta
     (b"GET /a HTTP/1.1\r\nX-A : x\r\n\r\n", b"400"),  # space before the colon
 ])
 async def test_framing_errors_already_refused(request_bytes: bytes, status: bytes) -> None:
-    server, echo = await _server()
-    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    writer.write(request_bytes)
-    line, headers, _ = await _read_response(reader)
-    assert line.split(b" ")[1] == status and headers[b"connection"] == b"close"
-    assert await asyncio.wait_for(reader.read(), 5) == b""
-    assert echo.seen == []
-    writer.close()
-    await server.stop()
+    await _assert_refused_and_closed(request_bytes, status)
 
 
 async def test_a_chunk_extension_over_the_line_limit_is_refused_even_in_one_read() -> None:

@@ -16,21 +16,13 @@ from llmdiag.cli.tui.messages import DiagnosisOpened, SnapshotReceived, SourceEn
 from llmdiag.cli.tui.screens import BackendScreen, FleetScreen, HelpScreen, HostScreen, LogScreen
 from llmdiag.config import Config
 
-from tui_support import SteppingClock, fleet_backends, fleet_timeline
+from tui_support import SteppingClock, fleet_backends, fleet_timeline, until
 
 
 def _app(paused: bool = False) -> TopApp:
     source = ReplaySource(Config(), fleet_timeline(), backends=fleet_backends(), paused=paused,
                           monotonic=SteppingClock(), description="replay of fleet fixture")
     return TopApp(source, toasts=False)
-
-
-async def _until(pilot: Any, check: Any, tries: int = 1500) -> None:  # up to 30 s on a loaded machine
-    for _ in range(tries):
-        if check():
-            return
-        await pilot.pause(0.02)
-    raise AssertionError("condition not reached")
 
 
 def _rows(app: TopApp) -> list[str]:
@@ -53,7 +45,7 @@ async def test_fleet_view_shows_each_sick_backend_with_its_diagnosis() -> None:
     messages: list[Message] = []
     app = _app()
     async with app.run_test(size=(120, 40), message_hook=messages.append) as pilot:
-        await _until(pilot, lambda: app.ended)
+        await until(pilot, lambda: app.ended)
         await pilot.pause()
         assert sum(isinstance(m, SnapshotReceived) for m in messages) == 66
         assert any(isinstance(m, SourceEnded) for m in messages)
@@ -78,7 +70,7 @@ async def test_fleet_view_shows_each_sick_backend_with_its_diagnosis() -> None:
 async def test_sorting_and_filtering() -> None:
     app = _app()
     async with app.run_test(size=(120, 40)) as pilot:
-        await _until(pilot, lambda: app.ended)
+        await until(pilot, lambda: app.ended)
         screen = app.screen
         assert isinstance(screen, FleetScreen)
         await pilot.press("s")
@@ -103,12 +95,12 @@ async def test_sorting_and_filtering() -> None:
 async def test_opening_a_backend_shows_evidence_remediation_and_routing() -> None:
     app = _app()
     async with app.run_test(size=(120, 40)) as pilot:
-        await _until(pilot, lambda: app.ended)
+        await until(pilot, lambda: app.ended)
         rows = _rows(app)
         table = app.screen.query_one("#fleet", DataTable)
         table.move_cursor(row=rows.index("vllm-1"))
         await pilot.press("enter")
-        await _until(pilot, lambda: isinstance(app.screen, BackendScreen))
+        await until(pilot, lambda: isinstance(app.screen, BackendScreen))
         screen = app.screen
         assert isinstance(screen, BackendScreen) and screen.backend == "vllm-1"
         diagnoses = _static_text(screen, "#diagnoses")
@@ -130,17 +122,17 @@ async def test_backend_view_shows_the_balancers_deadlines() -> None:
 
     app = _app()
     async with app.run_test(size=(120, 40)) as pilot:
-        await _until(pilot, lambda: app.ended)
+        await until(pilot, lambda: app.ended)
         app.screen.query_one("#fleet", DataTable).move_cursor(row=_rows(app).index("vllm-1"))
         await pilot.press("enter")
-        await _until(pilot, lambda: isinstance(app.screen, BackendScreen))
+        await until(pilot, lambda: isinstance(app.screen, BackendScreen))
         assert "until" not in _static_text(app.screen, "#routing")  # no deadlines in the replay
         state = app.model.state
         assert state is not None
         cooling_until, ejected_until = state.ts + 4.0, state.ts + 15.0
         entry = dataclasses.replace(state.backends["vllm-1"], cooling_until=cooling_until, ejected_until=ejected_until)
         app.post_message(SnapshotReceived(dataclasses.replace(state, backends={**state.backends, "vllm-1": entry}), [], []))
-        await _until(pilot, lambda: "cooling until" in _static_text(app.screen, "#routing"))
+        await until(pilot, lambda: "cooling until" in _static_text(app.screen, "#routing"))
         routing = _static_text(app.screen, "#routing")
 
         def hms(ts: float) -> str:
@@ -153,7 +145,7 @@ async def test_backend_view_shows_the_balancers_deadlines() -> None:
 async def test_host_log_and_help_screens() -> None:
     app = _app()
     async with app.run_test(size=(80, 24)) as pilot:
-        await _until(pilot, lambda: app.ended)
+        await until(pilot, lambda: app.ended)
         await pilot.press("h")
         assert isinstance(app.screen, HostScreen)
         dests = app.screen.query_one("#destinations", DataTable)
@@ -181,13 +173,13 @@ async def test_replay_pause_step_and_jump_to_next_diagnosis() -> None:
         assert app.model.ticks == 0  # paused before the first tick
         assert "paused" in _static_text(app.screen, "#status")
         await pilot.press("n")
-        await _until(pilot, lambda: app.model.ticks == 1)
+        await until(pilot, lambda: app.model.ticks == 1)
         await pilot.press("n")
-        await _until(pilot, lambda: app.model.ticks == 2)
+        await until(pilot, lambda: app.model.ticks == 2)
         await pilot.pause(0.1)
         assert app.model.ticks == 2  # still paused after the steps
         await pilot.press("j")  # the first diagnosis opens at the 44th tick (vllm-1, KV)
-        await _until(pilot, lambda: any(isinstance(m, DiagnosisOpened) for m in messages))
+        await until(pilot, lambda: any(isinstance(m, DiagnosisOpened) for m in messages))
         await pilot.pause(0.1)
         assert app.model.ticks == 44
         assert app.source.paused  # type: ignore[attr-defined]
@@ -199,14 +191,14 @@ async def test_replay_pause_step_and_jump_to_next_diagnosis() -> None:
         assert app.source.speed == 0.5  # type: ignore[attr-defined]
         await pilot.press("space")
         assert not app.source.paused  # type: ignore[attr-defined]
-        await _until(pilot, lambda: app.ended)
+        await until(pilot, lambda: app.ended)
         assert app.model.ticks == 66
 
 
 @pytest.mark.parametrize("size", [(120, 40), (80, 24)])
 def test_fleet_snapshot(snap_compare: Any, size: tuple[int, int]) -> None:
     async def to_end(pilot: Any) -> None:
-        await _until(pilot, lambda: pilot.app.ended)
+        await until(pilot, lambda: pilot.app.ended)
         await pilot.pause()
 
     assert snap_compare(_app(), terminal_size=size, run_before=to_end)
@@ -214,7 +206,7 @@ def test_fleet_snapshot(snap_compare: Any, size: tuple[int, int]) -> None:
 
 def test_backend_snapshot(snap_compare: Any) -> None:
     async def open_vllm2(pilot: Any) -> None:
-        await _until(pilot, lambda: pilot.app.ended)
+        await until(pilot, lambda: pilot.app.ended)
         pilot.app.push_screen(BackendScreen("vllm-2"))
         await pilot.pause()
 
@@ -223,7 +215,7 @@ def test_backend_snapshot(snap_compare: Any) -> None:
 
 def test_host_snapshot(snap_compare: Any) -> None:
     async def open_host(pilot: Any) -> None:
-        await _until(pilot, lambda: pilot.app.ended)
+        await until(pilot, lambda: pilot.app.ended)
         await pilot.press("h")
         await pilot.pause()
 
@@ -233,12 +225,12 @@ def test_host_snapshot(snap_compare: Any) -> None:
 async def test_mouse_click_selects_then_opens_a_backend() -> None:
     app = _app()
     async with app.run_test(size=(120, 40)) as pilot:
-        await _until(pilot, lambda: app.ended)
+        await until(pilot, lambda: app.ended)
         table = app.screen.query_one("#fleet", DataTable)
         second = _rows(app)[1]
         await pilot.click("#fleet", offset=(3, 2))  # header is row 0: this is the second backend
         await pilot.pause()
         assert table.cursor_row == 1
         await pilot.click("#fleet", offset=(3, 2))  # a click on the selected row opens it
-        await _until(pilot, lambda: isinstance(app.screen, BackendScreen))
+        await until(pilot, lambda: isinstance(app.screen, BackendScreen))
         assert app.screen.backend == second  # type: ignore[attr-defined]

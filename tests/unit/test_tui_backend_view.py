@@ -12,7 +12,7 @@ from llmdiag.cli.tui.screens import BackendScreen
 from llmdiag.config import Config
 from llmdiag.model import Snapshot
 
-from tui_support import SteppingClock, fleet_backends, fleet_timeline
+from tui_support import SteppingClock, fleet_backends, fleet_timeline, until
 
 
 def _app(snapshots: list[Snapshot]) -> TopApp:
@@ -21,19 +21,11 @@ def _app(snapshots: list[Snapshot]) -> TopApp:
     return TopApp(source, toasts=False)
 
 
-async def _until(pilot: Any, check: Any, tries: int = 1500) -> None:  # up to 30 s on a loaded machine
-    for _ in range(tries):
-        if check():
-            return
-        await pilot.pause(0.02)
-    raise AssertionError("condition not reached")
-
-
 async def _step_to(pilot: Any, app: TopApp, tick: int) -> None:
     while app.model.ticks < tick:
         want = app.model.ticks + 1
         await pilot.press("n")
-        await _until(pilot, lambda: app.model.ticks == want)
+        await until(pilot, lambda: app.model.ticks == want)
     await pilot.pause()
 
 
@@ -47,7 +39,7 @@ async def test_values_follow_the_ticks_and_the_cursor_stays_put() -> None:
     async with app.run_test(size=(120, 40)) as pilot:
         await _step_to(pilot, app, 38)
         app.push_screen(BackendScreen("vllm-1"))
-        await _until(pilot, lambda: isinstance(app.screen, BackendScreen))
+        await until(pilot, lambda: isinstance(app.screen, BackendScreen))
         screen = app.screen
         assert isinstance(screen, BackendScreen)
         await pilot.pause()
@@ -68,7 +60,7 @@ async def test_a_signal_shown_under_another_signals_name_does_not_crash_the_view
     async with app.run_test(size=(120, 40)) as pilot:
         await _step_to(pilot, app, 2)
         app.push_screen(BackendScreen("vllm-1"))
-        await _until(pilot, lambda: isinstance(app.screen, BackendScreen))
+        await until(pilot, lambda: isinstance(app.screen, BackendScreen))
         await _step_to(pilot, app, 4)
         screen = app.screen
         assert isinstance(screen, BackendScreen)

@@ -15,6 +15,7 @@ every machine and every SVG snapshot sees the same ticks:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from llmdiag.analyzers.timelines import TimelineBuilder, dist
 from llmdiag.model import Snapshot, write_snapshots
@@ -56,3 +57,12 @@ class SteppingClock:
     def __call__(self) -> float:
         self.now += self.step
         return self.now
+
+
+async def until(pilot: Any, check: Any, tries: int = 1500) -> None:
+    """Let the app run until ``check()`` holds: up to 30 s on a loaded machine, then fail."""
+    for _ in range(tries):
+        if check():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError("condition not reached")
