@@ -26,14 +26,9 @@ import tracemalloc
 import urllib.request
 from pathlib import Path
 
+from bench_agent_loop import rss_mb  # this directory is on sys.path when run as a script
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024 / 1e6
-    return float("nan")
 
 
 def main() -> int:
