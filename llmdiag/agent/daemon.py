@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -66,8 +67,13 @@ class Agent:
     """The agent's state machine; :meth:`run` serves until :meth:`stop` (or a signal)."""
 
     def __init__(self, config: Config, *, token: str | None = None, backends: list[Backend] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, freeze_heap: bool = False) -> None:
         self.config = config
+        #: Move what start-up allocated out of the cyclic GC's reach once the collectors are built
+        #: (:meth:`_freeze_startup_heap`); the command line turns it on, in-process uses leave it off.
+        self.freeze_heap = freeze_heap
+        #: Objects frozen after start-up (0: not done).
+        self.frozen_objects = 0
         self.token = token or None
         self.clock = clock
         self.hostname = config.agent.hostname or socket.gethostname()
@@ -200,6 +206,7 @@ class Agent:
             return
         self._collectors = collectors
         self._release_compiler_memory()
+        self._freeze_startup_heap()
         self._built_mono = time.monotonic()
         interval = self.config.agent.interval_seconds
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmdiag-discovery")
@@ -245,6 +252,18 @@ class Agent:
             return
         self.compiler_memory = released
         log.info("BPF programs loaded; released the compiler's memory: %s", released.describe())
+
+    def _freeze_startup_heap(self) -> None:
+        """``gc.freeze()`` what start-up built (modules, bcc's objects, the collectors): it lives as
+        long as the agent, so every full collection only walked it again (~60k objects, ~60 ms a
+        pass at 16 backends). Frozen, a full pass walks what the ticks allocate. Only with
+        ``freeze_heap`` (the command line): in a test process it would pin the test's heap."""
+        if not self.freeze_heap:
+            return
+        gc.collect()
+        gc.freeze()
+        self.frozen_objects = gc.get_freeze_count()
+        log.debug("froze %d start-up objects out of the cyclic GC", self.frozen_objects)
 
     def _tick(self, unavailable: Mapping[str, CollectorStatus]) -> None:
         started = time.perf_counter()
@@ -415,7 +434,7 @@ class Agent:
 
 def run_agent(config: Config, token: str | None, *, announce: Callable[[str], None] | None = None) -> int:
     """Build and run the agent in this thread's event loop (the command line entry)."""
-    agent = Agent(config, token=token)
+    agent = Agent(config, token=token, freeze_heap=True)
 
     def ready(a: Agent) -> None:
         assert a.http_address is not None

@@ -122,3 +122,18 @@ def test_compiler_memory_is_released_only_with_bcc_loaded_and_unless_turned_off(
 
     monkeypatch.setattr(daemon, "release_compiler_memory", broken)
     agent._release_compiler_memory()  # logged, never raised: the agent keeps running
+
+
+def test_startup_heap_is_frozen_only_when_asked() -> None:
+    import gc
+
+    plain = Agent(CONFIG, backends=[])
+    plain._freeze_startup_heap()
+    assert plain.frozen_objects == 0 and gc.get_freeze_count() == 0  # in-process users keep their GC as it was
+    agent = Agent(CONFIG, backends=[], freeze_heap=True)
+    try:
+        agent._freeze_startup_heap()
+        assert agent.frozen_objects == gc.get_freeze_count() > 1000  # the interpreter's and the agent's objects
+        assert len(gc.get_objects()) < agent.frozen_objects  # a collection now walks only what came after
+    finally:
+        gc.unfreeze()
