@@ -94,6 +94,8 @@ class Analyzer:
         self._destination_of = {b.name: backend_destination(b) for b in known}
         self.rules: list[Rule] = [cls(diag.rule(kind)) for kind, cls in RULES.items() if diag.rule(kind).enabled]
         self.enforced = {kind: diag.rule(kind).enforce for kind in RULES}
+        #: The signals whose history some enabled rule reads (Rule.history): the only ones recorded.
+        self.history: frozenset[str] = frozenset().union(*(rule.history for rule in self.rules))
         self.windows = WindowStore(diag.window_seconds)
         self._series_of: dict[tuple[str, str], dict[object, Series]] = {}
         self._sweeps_seen = self.windows.sweeps
@@ -130,6 +132,7 @@ class Analyzer:
         seen: set[tuple[str, str, str]] = set()
         for rule in self.rules:
             cfg = rule.config
+            ctx.history = rule.history  # only what this rule declares (see Rule.history)
             for subject, key, finding in rule.evaluate(ctx):
                 ident = (rule.kind, subject, key)
                 if ident in seen:
@@ -256,7 +259,17 @@ class Analyzer:
         if known is None:
             known = self._series_of[(scope, subject)] = {}
         prefix = f"{scope}/{subject}/"
+        history = self.history
         for name, value in signals.items():
+            if name not in history:
+                continue  # not read by any rule (most signals: no point keeping their windows)
+            if type(value) is float:  # most values: the general branch below, without its isinstance tests
+                if value == value:
+                    series = known.get(name)
+                    if series is None:
+                        series = known[name] = windows.series_for(prefix + name)
+                    series.append(ts, value)
+                continue
             if value is None or isinstance(value, bool):
                 continue
             if isinstance(value, (int, float)):

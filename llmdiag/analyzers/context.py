@@ -25,15 +25,29 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from llmdiag.analyzers.baseline import Baselines
-from llmdiag.analyzers.windows import WindowStore, series_key
+from llmdiag.analyzers.windows import Series, WindowStore, series_key
 from llmdiag.config.analyzers import DiagnosisConfig
 from llmdiag.model import HOST, Distribution, Labelled, Snapshot, parse_label_key
 
-__all__ = ["Context", "gpus_from_processes", "number"]
+__all__ = ["Context", "UndeclaredHistory", "gpus_from_processes", "history_name", "number"]
+
+
+class UndeclaredHistory(LookupError):
+    """A rule read the history of a signal that no enabled rule declares in ``Rule.history``:
+    the analyzer does not record it, so the read would see nothing. A bug in the rule, raised
+    so that any test reaching the read fails, instead of a rule quietly seeing no history."""
+
+
+def history_name(signal: str) -> str:
+    """The name ``Rule.history`` declares for a window signal: ``ttft_seconds.ewma`` ->
+    ``ttft_seconds``, ``responses_total{class=ok}`` -> ``responses_total``."""
+    return signal.partition("{")[0].partition(".")[0]
 
 
 def number(value: Any) -> float | None:
     """A plain finite number, else ``None`` (NA, absent, labelled, distribution)."""
+    if type(value) is float:  # the common case, a few hundred calls a tick: x - x is 0.0 iff x is finite
+        return value if value - value == 0.0 else None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if math.isfinite(value) else None
@@ -65,8 +79,14 @@ class Context:
         config: DiagnosisConfig,
         gpus_by_backend: Mapping[str, tuple[str, ...]],
         destination_of: Mapping[str, str],
+        history: frozenset[str] | None = None,
     ) -> None:
+        """``history``: the signal names whose history may be read (``None``: any); a read of
+        another one raises :class:`UndeclaredHistory`. The analyzer sets it to each rule's own
+        ``Rule.history`` while that rule runs, so a rule that reads an undeclared signal fails
+        even when another rule happens to declare (and so record) it."""
         self.snapshot = snapshot
+        self.history = history
         self.now = snapshot.ts
         self.windows = windows
         self.baselines = baselines
@@ -178,7 +198,7 @@ class Context:
         """``(down_since, last_up, last_down)`` from the backend's ``up`` history: when the
         current run of failed scrapes began (``None`` while the last scrape answered), when a
         scrape last answered and when one last failed (``None``: not within the window)."""
-        series = self.windows.series(series_key("b", backend, "up"))
+        series = self.series("b", backend, "up")
         if series is None or not len(series):
             return None, None, None
         ts, values = series.ts, series.values
@@ -203,19 +223,36 @@ class Context:
                 down_since = ts[i]
         return down_since, last_up, last_down
 
+    def _key(self, scope: str, subject: str, signal: str) -> str:
+        """The series key of a history read, after checking the signal is recorded."""
+        history = self.history
+        if history is not None and signal not in history and history_name(signal) not in history:
+            raise UndeclaredHistory(
+                f"a rule read the history of {signal!r}, which its Rule.history does not declare "
+                f"(so the analyzer may not record it): add {history_name(signal)!r} to it")
+        return series_key(scope, subject, signal)
+
+    def series(self, scope: str, subject: str, signal: str) -> Series | None:
+        """The signal's window (``None`` when nothing is recorded); read it, never append."""
+        return self.windows.series(self._key(scope, subject, signal))
+
+    def increments(self, scope: str, subject: str, signal: str, seconds: float) -> list[tuple[float, float]]:
+        """:meth:`WindowStore.increments` of the signal."""
+        return self.windows.increments(self._key(scope, subject, signal), seconds)
+
     def value_at(self, scope: str, subject: str, signal: str, ts: float) -> float | None:
         """A signal's recorded value at ``ts`` (the last point at or before it)."""
-        series = self.windows.series(series_key(scope, subject, signal))
+        series = self.windows.series(self._key(scope, subject, signal))
         return None if series is None else series.at(ts)
 
     def rate(self, scope: str, subject: str, signal: str, seconds: float) -> float | None:
-        return self.windows.rate(series_key(scope, subject, signal), seconds)
+        return self.windows.rate(self._key(scope, subject, signal), seconds)
 
     def increase(self, scope: str, subject: str, signal: str, seconds: float) -> float | None:
-        return self.windows.increase(series_key(scope, subject, signal), seconds)
+        return self.windows.increase(self._key(scope, subject, signal), seconds)
 
     def ago(self, scope: str, subject: str, signal: str, seconds: float) -> float | None:
-        return self.windows.value_ago(series_key(scope, subject, signal), seconds)
+        return self.windows.value_ago(self._key(scope, subject, signal), seconds)
 
     # -- baselines -----------------------------------------------------------
     def baseline(self, subject: str, name: str, value: float | None) -> float | None:

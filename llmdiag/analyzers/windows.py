@@ -64,7 +64,8 @@ class Series:
         self._adjusted = 0.0
 
     def append(self, ts: float, raw: float) -> None:
-        if self.ts and ts <= self.ts[-1]:
+        times = self.ts
+        if times and ts <= times[-1]:
             return  # out of order or duplicate tick: the window is monotonic
         value = raw
         if self.counter:
@@ -77,7 +78,7 @@ class Series:
                 self._adjusted += raw
             self._raw_last = raw
             value = self._adjusted
-        self.ts.append(ts)
+        times.append(ts)
         self.values.append(value)
 
     def trim(self, oldest: float, max_points: int) -> None:

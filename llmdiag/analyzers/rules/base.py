@@ -85,6 +85,12 @@ Verdict = tuple[str, str, Finding | None]
 class Rule(Generic[C]):
     kind: ClassVar[str]
     remediation: ClassVar[str]
+    #: Signal names (without ``{labels}`` or ``.field``) whose history the rule reads from the
+    #: windows (``ctx.rate``/``increase``/``ago``/``value_at``/``outage``/``series``/``increments``).
+    #: The analyzer records only the signals some enabled rule declares (most of a tick's ~1,300
+    #: numbers are never read back), and :class:`Context` raises :class:`UndeclaredHistory` on a
+    #: read of any other, so a missing name fails every test that reaches the read.
+    history: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, config: C) -> None:
         self.config = config

@@ -7,7 +7,6 @@ from collections.abc import Iterable
 from llmdiag.analyzers.context import Context, number
 from llmdiag.analyzers.correlate import Event, coincide
 from llmdiag.analyzers.rules.base import Rule, Verdict, bar, ev
-from llmdiag.analyzers.windows import series_key
 from llmdiag.config.analyzers import (
     ClientTimeoutStormConfig,
     ConnectionChurnConfig,
@@ -38,10 +37,10 @@ def _counter_events(ctx: Context, backend: str, signal: str, seconds: float, wha
         for key, parsed in labels.items():
             if match and any(parsed.get(k) != v for k, v in match.items()):
                 continue
-            for ts, amount in ctx.windows.increments(series_key("b", backend, f"{signal}{{{key}}}"), seconds):
+            for ts, amount in ctx.increments("b", backend, f"{signal}{{{key}}}", seconds):
                 out.append(Event(ts, backend, what, amount))
     elif match is None:
-        for ts, amount in ctx.windows.increments(series_key("b", backend, signal), seconds):
+        for ts, amount in ctx.increments("b", backend, signal, seconds):
             out.append(Event(ts, backend, what, amount))
     return out
 
@@ -57,6 +56,7 @@ class ClientTimeoutStorm(Rule[ClientTimeoutStormConfig]):
     TTFT on the same backend."""
 
     kind = "client_timeout_storm"
+    history = frozenset({"h2_rst_stream_total", "tcp_peer_closes_total", "ttft_seconds"})
     remediation = "The backend is past its SLO and clients give up: cancelled requests waste GPU; shed load or re-route."
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
@@ -94,7 +94,7 @@ class ClientTimeoutStorm(Rule[ClientTimeoutStormConfig]):
             lookback = span + cfg.correlate_seconds
             cancels = _counter_events(ctx, b, "h2_rst_stream_total", span, "cancel", _CLIENT_CANCEL)
             cancels += _counter_events(ctx, b, "tcp_peer_closes_total", span, "peer_close")
-            series = ctx.windows.series(series_key("b", b, "ttft_seconds.ewma"))
+            series = ctx.series("b", b, "ttft_seconds.ewma")
             slow = [] if series is None else [Event(ts, b, "ttft_high", v) for ts, v in series.points_since(ctx.now - lookback) if v >= ttft_bar]
             joined = coincide(cancels, slow, cfg.correlate_seconds)
             enter = cancel_rate >= bar_enter and bool(joined)
@@ -164,6 +164,7 @@ class ConnectionChurn(Rule[ConnectionChurnConfig]):
     with the same address function the collector keys it by."""
 
     kind = "connection_churn"
+    history = frozenset({"tcp_active_closes_total", "tcp_peer_closes_total", "responses_total", "requests_finished_total", "h2_streams_closed_total"})
     remediation = "Fix client connection pooling (keep-alive on, MaxIdleConnsPerHost, idle timeouts longer than the request interval)."
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
@@ -214,6 +215,7 @@ class GrpcFlowControlStall(Rule[GrpcFlowControlStallConfig]):
     """
 
     kind = "grpc_flow_control_stall"
+    history = frozenset({"h2_stall_then_reset_total", "h2_flow_control_stalls_total", "tcp_sndbuf_full_total"})
     remediation = "Raise HTTP/2 stream/connection windows; find the slow consumer; check gateway response buffering."
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
@@ -246,6 +248,7 @@ class NetworkDegradation(Rule[NetworkDegradationConfig]):
     srtt_factor_enter x baseline (and >= srtt_floor_seconds)."""
 
     kind = "network_degradation"
+    history = frozenset({"tcp_sends_total", "tcp_retransmits_total"})
     remediation = "Check the NIC and the network path (errors, drops, congestion); move traffic away from this backend."
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
