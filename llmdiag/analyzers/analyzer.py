@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from llmdiag.analyzers.baseline import Baselines
-from llmdiag.analyzers.context import Context, gpus_from_processes
+from llmdiag.analyzers.context import Context, gpus_from_processes, history_name
 from llmdiag.analyzers.penalties import BackendHealth, backend_health
 from llmdiag.analyzers.rules import RULES, Finding, Rule
 from llmdiag.analyzers.windows import Series, WindowStore, is_counter
@@ -94,8 +94,15 @@ class Analyzer:
         self._destination_of = {b.name: backend_destination(b) for b in known}
         self.rules: list[Rule] = [cls(diag.rule(kind)) for kind, cls in RULES.items() if diag.rule(kind).enabled]
         self.enforced = {kind: diag.rule(kind).enforce for kind in RULES}
-        #: The signals whose history some enabled rule reads (Rule.history): the only ones recorded.
+        #: The ``scope/signal`` entries whose history some enabled rule reads (Rule.history): the only
+        #: ones recorded. By scope: the declared names (families and single fields) and their families.
         self.history: frozenset[str] = frozenset().union(*(rule.history for rule in self.rules))
+        self._declared: dict[str, set[str]] = {}
+        self._families: dict[str, set[str]] = {}
+        for entry in self.history:
+            scope, _, signal = entry.partition("/")
+            self._declared.setdefault(scope, set()).add(signal)
+            self._families.setdefault(scope, set()).add(history_name(signal))
         self.windows = WindowStore(diag.window_seconds)
         self._series_of: dict[tuple[str, str], dict[object, Series]] = {}
         self._sweeps_seen = self.windows.sweeps
@@ -259,7 +266,8 @@ class Analyzer:
         if known is None:
             known = self._series_of[(scope, subject)] = {}
         prefix = f"{scope}/{subject}/"
-        history = self.history
+        history = self._families.get(scope, ())
+        declared = self._declared.get(scope, ())
         for name, value in signals.items():
             if name not in history:
                 continue  # not read by any rule (most signals: no point keeping their windows)
@@ -279,9 +287,10 @@ class Analyzer:
                         series = known[name] = windows.series_for(prefix + name)
                     series.append(ts, float(value))
             elif isinstance(value, Distribution):
+                whole = name in declared
                 for f in _DIST_FIELDS:
                     v = getattr(value, f)
-                    if v is not None and v == v:
+                    if v is not None and v == v and (whole or f"{name}.{f}" in declared):
                         series = known.get((name, ".", f))
                         if series is None:
                             series = known[(name, ".", f)] = windows.series_for(f"{prefix}{name}.{f}")

@@ -33,14 +33,15 @@ __all__ = ["Context", "UndeclaredHistory", "gpus_from_processes", "history_name"
 
 
 class UndeclaredHistory(LookupError):
-    """A rule read the history of a signal that no enabled rule declares in ``Rule.history``:
-    the analyzer does not record it, so the read would see nothing. A bug in the rule, raised
-    so that any test reaching the read fails, instead of a rule quietly seeing no history."""
+    """A rule read the history of a signal its ``Rule.history`` does not declare: unless another
+    rule declares it, the analyzer does not record it and the read would see nothing. A bug in
+    the rule, raised so that any test reaching the read fails, instead of a rule quietly seeing
+    no history."""
 
 
 def history_name(signal: str) -> str:
-    """The name ``Rule.history`` declares for a window signal: ``ttft_seconds.ewma`` ->
-    ``ttft_seconds``, ``responses_total{class=ok}`` -> ``responses_total``."""
+    """The family of a window signal: ``ttft_seconds.ewma`` -> ``ttft_seconds``,
+    ``responses_total{class=ok}`` -> ``responses_total`` (declaring it declares them all)."""
     return signal.partition("{")[0].partition(".")[0]
 
 
@@ -81,8 +82,8 @@ class Context:
         destination_of: Mapping[str, str],
         history: frozenset[str] | None = None,
     ) -> None:
-        """``history``: the signal names whose history may be read (``None``: any); a read of
-        another one raises :class:`UndeclaredHistory`. The analyzer sets it to each rule's own
+        """``history``: the ``scope/signal`` entries whose history may be read (``None``: any;
+        ``Rule.history``); a read of another one raises :class:`UndeclaredHistory`. The analyzer sets it to each rule's own
         ``Rule.history`` while that rule runs, so a rule that reads an undeclared signal fails
         even when another rule happens to declare (and so record) it."""
         self.snapshot = snapshot
@@ -226,10 +227,10 @@ class Context:
     def _key(self, scope: str, subject: str, signal: str) -> str:
         """The series key of a history read, after checking the signal is recorded."""
         history = self.history
-        if history is not None and signal not in history and history_name(signal) not in history:
+        if history is not None and f"{scope}/{signal}" not in history and f"{scope}/{history_name(signal)}" not in history:
             raise UndeclaredHistory(
-                f"a rule read the history of {signal!r}, which its Rule.history does not declare "
-                f"(so the analyzer may not record it): add {history_name(signal)!r} to it")
+                f"a rule read the history of {signal!r} at scope {scope!r}, which its Rule.history does not "
+                f"declare (so the analyzer may not record it): add reads({scope!r}, {history_name(signal)!r}) to it")
         return series_key(scope, subject, signal)
 
     def series(self, scope: str, subject: str, signal: str) -> Series | None:

@@ -13,6 +13,7 @@ import pytest
 from llmdiag.analyzers import Analyzer
 from llmdiag.analyzers.context import UndeclaredHistory, history_name
 from llmdiag.analyzers.rules import RULES
+from llmdiag.analyzers.rules.base import reads
 from llmdiag.analyzers.rules.engine import QueueAvalanche
 from llmdiag.analyzers.timelines import SCENARIOS
 from llmdiag.config.analyzers import DiagnosisConfig
@@ -89,6 +90,7 @@ def test_extend_places_samples_as_one_add_each() -> None:
 
 
 def test_history_names() -> None:
+    assert reads("be", "up", "ttft_seconds.ewma") == {"b/up", "e/up", "b/ttft_seconds.ewma", "e/ttft_seconds.ewma"}
     assert history_name("ttft_seconds.ewma") == "ttft_seconds"
     assert history_name("responses_total{class=ok}") == "responses_total"
     assert history_name("xid_errors_total{gpu=0,xid=79.1}") == "xid_errors_total"
@@ -98,12 +100,18 @@ def test_history_names() -> None:
 def test_only_declared_history_is_recorded() -> None:
     analyzer = Analyzer(DiagnosisConfig())
     assert analyzer.history == frozenset().union(*(cls.history for cls in RULES.values()))
-    timeline = SCENARIOS["queue_avalanche"].build()
+    timeline = SCENARIOS["timewait_exhaustion"].build()
+    assert timeline.snapshots[-1].destinations
     for snap in timeline.snapshots:
         analyzer.observe(snap)
     keys = list(analyzer.windows._series)
     assert keys, "nothing recorded"
-    assert all(history_name(k.rsplit("/", 1)[-1]) in analyzer.history for k in keys), keys
+    for key in keys:
+        scope, signal = key.split("/", 1)[0], key.rsplit("/", 1)[-1]
+        assert f"{scope}/{signal}" in analyzer.history or f"{scope}/{history_name(signal)}" in analyzer.history, key
+    # Undeclared at that scope or field: not recorded (the timeline has both).
+    assert not any(k.startswith("d/") for k in keys)
+    assert any(k.endswith("/ttft_seconds.ewma") for k in keys) and not any(k.endswith("/ttft_seconds.p99") for k in keys)
 
 
 def test_a_rule_reading_undeclared_history_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:

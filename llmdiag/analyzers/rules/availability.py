@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from llmdiag.analyzers.context import Context
-from llmdiag.analyzers.rules.base import Rule, Verdict, ev
+from llmdiag.analyzers.rules.base import Rule, Verdict, ev, reads
 from llmdiag.config.analyzers import BackendDownConfig, EngineStalledConfig
 from llmdiag.model import Evidence, Labelled, Severity
 
@@ -63,8 +63,8 @@ class BackendDown(Rule[BackendDownConfig]):
     """
 
     kind = "backend_down"
-    history = frozenset({"up", "memory_used_bytes", "memory_total_bytes",
-                         *(s.partition(".")[0] for s, _ in _LAST_GAUGES), *(s for s, _ in _LAST_COUNTERS)})
+    history = (reads("b", "up", *(s for s, _ in _LAST_GAUGES), *(s for s, _ in _LAST_COUNTERS))
+               | reads("g", "memory_used_bytes", "memory_total_bytes"))
     remediation = (
         "Eject it from routing; check the engine process (crash, OOM kill, restart loop) and its logs. "
         "It is re-admitted once it answers again."
@@ -169,7 +169,7 @@ class EngineStalled(Rule[EngineStalledConfig]):
     """
 
     kind = "engine_stalled"
-    history = frozenset({"requests_running", "requests_waiting", *_PROGRESS})
+    history = reads("be", "requests_running", "requests_waiting", *_PROGRESS)
     remediation = (
         "Stop routing to it; look for a hung collective (NCCL), an XID or a stuck scheduler in the "
         "engine's logs and py-spy dump; restart the engine if it does not recover."

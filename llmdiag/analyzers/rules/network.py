@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from llmdiag.analyzers.context import Context, number
 from llmdiag.analyzers.correlate import Event, coincide
-from llmdiag.analyzers.rules.base import Rule, Verdict, bar, ev
+from llmdiag.analyzers.rules.base import Rule, Verdict, bar, ev, reads
 from llmdiag.config.analyzers import (
     ClientTimeoutStormConfig,
     ConnectionChurnConfig,
@@ -56,7 +56,7 @@ class ClientTimeoutStorm(Rule[ClientTimeoutStormConfig]):
     TTFT on the same backend."""
 
     kind = "client_timeout_storm"
-    history = frozenset({"h2_rst_stream_total", "tcp_peer_closes_total", "ttft_seconds"})
+    history = reads("b", "h2_rst_stream_total", "tcp_peer_closes_total", "ttft_seconds.ewma")
     remediation = "The backend is past its SLO and clients give up: cancelled requests waste GPU; shed load or re-route."
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
@@ -164,7 +164,8 @@ class ConnectionChurn(Rule[ConnectionChurnConfig]):
     with the same address function the collector keys it by."""
 
     kind = "connection_churn"
-    history = frozenset({"tcp_active_closes_total", "tcp_peer_closes_total", "responses_total", "requests_finished_total", "h2_streams_closed_total"})
+    history = reads("b", "tcp_active_closes_total", "tcp_peer_closes_total", "responses_total", "requests_finished_total",
+                    "h2_streams_closed_total")
     remediation = "Fix client connection pooling (keep-alive on, MaxIdleConnsPerHost, idle timeouts longer than the request interval)."
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
@@ -215,7 +216,7 @@ class GrpcFlowControlStall(Rule[GrpcFlowControlStallConfig]):
     """
 
     kind = "grpc_flow_control_stall"
-    history = frozenset({"h2_stall_then_reset_total", "h2_flow_control_stalls_total", "tcp_sndbuf_full_total"})
+    history = reads("b", "h2_stall_then_reset_total", "h2_flow_control_stalls_total", "tcp_sndbuf_full_total")
     remediation = "Raise HTTP/2 stream/connection windows; find the slow consumer; check gateway response buffering."
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
@@ -248,7 +249,7 @@ class NetworkDegradation(Rule[NetworkDegradationConfig]):
     srtt_factor_enter x baseline (and >= srtt_floor_seconds)."""
 
     kind = "network_degradation"
-    history = frozenset({"tcp_sends_total", "tcp_retransmits_total"})
+    history = reads("b", "tcp_sends_total", "tcp_retransmits_total")
     remediation = "Check the NIC and the network path (errors, drops, congestion); move traffic away from this backend."
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
