@@ -32,6 +32,10 @@ from llmdiag.model import HOST, Distribution, Labelled, Snapshot, parse_label_ke
 __all__ = ["Context", "UndeclaredHistory", "gpus_from_processes", "history_name", "number"]
 
 
+#: The signal map of a subject the snapshot lacks (read only: one shared object, not a new dict a read).
+_NONE: Mapping[str, Any] = {}
+
+
 class UndeclaredHistory(LookupError):
     """A rule read the history of a signal its ``Rule.history`` does not declare: unless another
     rule declares it, the analyzer does not record it and the read would see nothing. A bug in
@@ -98,6 +102,7 @@ class Context:
         self._baseline_cache: dict[str, float | None] = {}
         self._owners: dict[str, str] | None = None
         self._backends: list[str] | None = None
+        self._engine_items: dict[str, list[tuple[str, Mapping[str, Any]]]] = {}
         #: (subject, key, value) updates applied after the tick unless the subject is frozen.
         self.baseline_updates: list[tuple[str, str, float]] = []
 
@@ -140,14 +145,18 @@ class Context:
         return self._destination_of.get(backend)
 
     def destination(self, destination: str, signal: str) -> float | None:
-        return number(self.snapshot.destinations.get(destination, {}).get(signal))
+        return number(self.snapshot.destinations.get(destination, _NONE).get(signal))
 
     # -- current values ----------------------------------------------------
     def backend(self, backend: str, signal: str) -> float | None:
-        return number(self.snapshot.backends.get(backend, {}).get(signal))
+        return number(self.snapshot.backends.get(backend, _NONE).get(signal))
 
     def engines(self, backend: str, signal: str) -> Iterator[tuple[str, float]]:
-        for label, signals in sorted(self.snapshot.engines.get(backend, {}).items()):
+        items = self._engine_items.get(backend)
+        if items is None:
+            # Sorted once per backend per tick: several rules ask for several signals each.
+            items = self._engine_items[backend] = sorted(self.snapshot.engines.get(backend, _NONE).items())
+        for label, signals in items:
             v = number(signals.get(signal))
             if v is not None:
                 yield label, v
@@ -165,7 +174,7 @@ class Context:
         return best
 
     def dist(self, backend: str, signal: str, field: str = "ewma") -> float | None:
-        value = self.snapshot.backends.get(backend, {}).get(signal)
+        value = self.snapshot.backends.get(backend, _NONE).get(signal)
         if isinstance(value, Distribution):
             return number(getattr(value, field))
         return number(value)
@@ -184,7 +193,7 @@ class Context:
         return out
 
     def gpu(self, gpu: str, signal: str) -> float | None:
-        return number(self.snapshot.gpus.get(gpu, {}).get(signal))
+        return number(self.snapshot.gpus.get(gpu, _NONE).get(signal))
 
     def host(self, signal: str) -> float | None:
         return number(self.snapshot.host.get(signal))
@@ -227,7 +236,7 @@ class Context:
     def _key(self, scope: str, subject: str, signal: str) -> str:
         """The series key of a history read, after checking the signal is recorded."""
         history = self.history
-        if history is not None and f"{scope}/{signal}" not in history and f"{scope}/{history_name(signal)}" not in history:
+        if history is not None and scope + "/" + signal not in history and f"{scope}/{history_name(signal)}" not in history:
             raise UndeclaredHistory(
                 f"a rule read the history of {signal!r} at scope {scope!r}, which its Rule.history does not "
                 f"declare (so the analyzer may not record it): add reads({scope!r}, {history_name(signal)!r}) to it")

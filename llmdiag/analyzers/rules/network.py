@@ -265,28 +265,37 @@ class NetworkDegradation(Rule[NetworkDegradationConfig]):
             if ratio is None and srtt is None:
                 yield b, "", None
                 continue
-            evidence = []
             enter = stay = False
             if ratio is not None:
                 ref = base_ratio if base_ratio is not None else cfg.retransmit_ratio_floor
-                bar_enter = max(cfg.retransmit_ratio_floor, cfg.retransmit_factor_enter * ref)
-                bar_exit = max(cfg.retransmit_ratio_floor, cfg.retransmit_factor_exit * ref)
-                enter |= ratio >= bar_enter
-                stay |= ratio >= bar_exit
-                evidence.append(ev("retransmits per send", ratio, bar(ratio >= bar_enter, bar_enter, bar_exit), span))
-            if srtt is not None and base_srtt is not None:
-                bar_enter = max(cfg.srtt_floor_seconds, cfg.srtt_factor_enter * base_srtt)
-                bar_exit = max(cfg.srtt_floor_seconds, cfg.srtt_factor_exit * base_srtt)
-                enter |= srtt >= bar_enter
-                stay |= srtt >= bar_exit
-                evidence.append(ev("srtt_seconds", srtt, bar(srtt >= bar_enter, bar_enter, bar_exit), None))
-            parts = []
-            if ratio is not None:
-                parts.append(f"{ratio:.1%} of sends retransmitted")
-            if srtt is not None:
-                parts.append(f"srtt {srtt * 1e3:.1f} ms" + (f" ({srtt / base_srtt:.1f}x baseline)" if base_srtt else ""))
+                ratio_enter = max(cfg.retransmit_ratio_floor, cfg.retransmit_factor_enter * ref)
+                ratio_exit = max(cfg.retransmit_ratio_floor, cfg.retransmit_factor_exit * ref)
+                enter |= ratio >= ratio_enter
+                stay |= ratio >= ratio_exit
+            srtt_judged = srtt is not None and base_srtt is not None
+            if srtt_judged:
+                srtt_enter = max(cfg.srtt_floor_seconds, cfg.srtt_factor_enter * base_srtt)
+                srtt_exit = max(cfg.srtt_floor_seconds, cfg.srtt_factor_exit * base_srtt)
+                enter |= srtt >= srtt_enter
+                stay |= srtt >= srtt_exit
+
+            # Built only when read (a diagnosis opens or stays open): the same text and evidence
+            # as when they were built for every backend every tick.
+            def explain(ratio=ratio, srtt=srtt, base_srtt=base_srtt, srtt_judged=srtt_judged) -> tuple[str, list[Evidence]]:
+                evidence = []
+                if ratio is not None:
+                    evidence.append(ev("retransmits per send", ratio, bar(ratio >= ratio_enter, ratio_enter, ratio_exit), span))
+                if srtt_judged:
+                    evidence.append(ev("srtt_seconds", srtt, bar(srtt >= srtt_enter, srtt_enter, srtt_exit), None))
+                parts = []
+                if ratio is not None:
+                    parts.append(f"{ratio:.1%} of sends retransmitted")
+                if srtt is not None:
+                    parts.append(f"srtt {srtt * 1e3:.1f} ms" + (f" ({srtt / base_srtt:.1f}x baseline)" if base_srtt else ""))
+                return ", ".join(parts), evidence
+
             critical = ratio is not None and ratio >= 0.1
-            yield b, "", self.finding(enter, stay, Severity.CRITICAL if critical else Severity.WARNING, ", ".join(parts), evidence, 0.75)
+            yield b, "", self.explained(enter, stay, Severity.CRITICAL if critical else Severity.WARNING, explain, 0.75)
 
 
 class ConntrackPressure(Rule[ConntrackPressureConfig]):
