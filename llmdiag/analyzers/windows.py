@@ -205,16 +205,22 @@ class WindowStore:
 
     def _span(self, key: str, seconds: float) -> tuple[float, float] | None:
         s = self._series.get(key)
-        if s is None or len(s) < 2:
+        if s is None:
             return None
-        last = len(s.ts) - 1
-        i = s.index_at(self._now - seconds)
-        if i is None:
-            i = s.start
+        # len(s) and s.index_at(), inlined: rules ask for a few hundred rates and increases a tick.
+        ts, start = s.ts, s.start
+        last = len(ts) - 1
+        if last - start < 1:
+            return None
+        oldest = self._now - seconds
+        i = bisect_right(ts, oldest, start) - 1
+        if i < start:
+            i = start
         if i >= last:
             # The newest point is older than the window start: nothing moved in the window.
-            return (seconds, 0.0) if s.ts[last] <= self._now - seconds else None
-        return s.ts[last] - s.ts[i], max(0.0, s.values[last] - s.values[i])
+            return (seconds, 0.0) if ts[last] <= oldest else None
+        values = s.values
+        return ts[last] - ts[i], max(0.0, values[last] - values[i])
 
     def increments(self, key: str, seconds: float) -> list[tuple[float, float]]:
         """``(ts, amount)`` for every tick in the window where a counter rose (for correlation)."""
