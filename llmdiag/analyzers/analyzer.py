@@ -255,6 +255,9 @@ class Analyzer:
             self._record_signals("g", index, signals, ts)
 
     def _record_signals(self, scope: str, subject: str, signals: Signals, ts: float) -> None:
+        history = self._families.get(scope)
+        if not history:
+            return  # no rule reads this scope's history (destinations, the host)
         windows = self.windows
         if windows.sweeps != self._sweeps_seen:
             # The store forgot idle series: drop every kept reference (they are found again below).
@@ -266,7 +269,6 @@ class Analyzer:
         if known is None:
             known = self._series_of[(scope, subject)] = {}
         prefix = f"{scope}/{subject}/"
-        history = self._families.get(scope, ())
         declared = self._declared.get(scope, ())
         for name, value in signals.items():
             if name not in history:

@@ -120,8 +120,7 @@ class Series:
         # Include points at exactly `ts`.
         while i > self.start and self.ts[i - 1] >= ts:
             i -= 1
-        for j in range(i, len(self.ts)):
-            yield self.ts[j], self.values[j]
+        yield from zip(self.ts[i:], self.values[i:])  # array slices: copies in C, no index per point
 
 
 class WindowStore:
@@ -228,12 +227,14 @@ class WindowStore:
         if s is None:
             return []
         out = []
-        prev: float | None = None
         i = s.index_at(self._now - seconds)
         lo = s.start if i is None else i
-        for j in range(lo, len(s.ts)):
-            v = s.values[j]
-            if prev is not None and v > prev:
-                out.append((s.ts[j], v - prev))
+        values = s.values
+        if lo >= len(values):
+            return out
+        prev = values[lo]
+        for t, v in zip(s.ts[lo + 1:], values[lo + 1:]):  # array slices: no index per point
+            if v > prev:
+                out.append((t, v - prev))
             prev = v
         return out
