@@ -273,12 +273,13 @@ class Analyzer:
         for name, value in signals.items():
             if name not in history:
                 continue  # not read by any rule (most signals: no point keeping their windows)
-            if type(value) is float:  # most values: the general branch below, without its isinstance tests
+            kind = type(value)
+            if kind is float or kind is int:  # most values: the branch below, without its isinstance tests
                 if value == value:
                     series = known.get(name)
                     if series is None:
                         series = known[name] = windows.series_for(prefix + name)
-                    series.append(ts, value)
+                    series.append(ts, float(value))
                 continue
             if value is None or isinstance(value, bool):
                 continue
