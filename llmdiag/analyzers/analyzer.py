@@ -15,9 +15,11 @@ Time is the snapshot's ``ts``, never the wall clock, so a replayed recording
 gives exactly the diagnoses the live run gave over the same snapshots. A
 snapshot older than the previous one is ignored.
 
-Each tick: every numeric signal goes into the rolling windows; each enabled
-rule yields a verdict per subject; a per-(kind, subject, key) state machine
-applies hysteresis:
+Each tick: every numeric signal whose history an enabled rule reads (its
+``Rule.history``) goes into the rolling windows, the rest only into the
+snapshot the rules read current values from; each enabled rule yields a
+verdict per subject; a per-(kind, subject, key) state machine applies
+hysteresis:
 
 * closed -> open when ``enter`` has held continuously ``for_seconds``
   (``since`` is when it started holding);

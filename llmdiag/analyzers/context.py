@@ -6,7 +6,9 @@ rolling windows, whose series keys are built by :func:`series_key`:
 ``b/<backend>/<signal>``, ``e/<backend>/<engine>/<signal>``, ``g/<gpu>/<signal>``,
 ``d/<ip:port>/<signal>``, ``h//<signal>``. A distribution is recorded as
 ``<signal>.p50|.p99|.ewma``, a labelled signal as ``<signal>{<labels>}`` per
-label string plus ``<signal>`` for the sum.
+label string plus ``<signal>`` for the sum. Only what some enabled rule declares in
+``Rule.history`` is recorded, and a rule's read of anything its own ``history`` does not
+declare raises :class:`UndeclaredHistory`.
 
 Which GPUs serve a backend (:meth:`Context.gpus_for`): ``Backend.gpus`` when
 config or discovery filled it (an override), else the GPUs last named in the
