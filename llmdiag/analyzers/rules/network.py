@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from llmdiag.analyzers.context import Context, number
-from llmdiag.analyzers.correlate import Event, coincide
+from llmdiag.analyzers.correlate import Event, Match, coincide
 from llmdiag.analyzers.rules.base import Rule, Verdict, bar, ev, reads
 from llmdiag.config.analyzers import (
     ClientTimeoutStormConfig,
@@ -92,11 +92,13 @@ class ClientTimeoutStorm(Rule[ClientTimeoutStormConfig]):
                 ttft_bar = min(ttft_bar, max(cfg.ttft_ratio * ttft_base, 0.5))
             # Correlate: cancel ticks joined with high-TTFT ticks on the same backend.
             lookback = span + cfg.correlate_seconds
-            cancels = _counter_events(ctx, b, "h2_rst_stream_total", span, "cancel", _CLIENT_CANCEL)
-            cancels += _counter_events(ctx, b, "tcp_peer_closes_total", span, "peer_close")
             series = ctx.series("b", b, "ttft_seconds.ewma")
             slow = [] if series is None else [Event(ts, b, "ttft_high", v) for ts, v in series.points_since(ctx.now - lookback) if v >= ttft_bar]
-            joined = coincide(cancels, slow, cfg.correlate_seconds)
+            joined: list[Match] = []
+            if slow:  # without a slow tick nothing joins: the cancel events are not worth building
+                cancels = _counter_events(ctx, b, "h2_rst_stream_total", span, "cancel", _CLIENT_CANCEL)
+                cancels += _counter_events(ctx, b, "tcp_peer_closes_total", span, "peer_close")
+                joined = coincide(cancels, slow, cfg.correlate_seconds)
             enter = cancel_rate >= bar_enter and bool(joined)
             stay = cancel_rate >= bar_exit and bool(slow)
             severity = Severity.CRITICAL if base and cancel_rate >= cfg.critical_factor * max(base, cfg.min_rate / cfg.rate_factor_enter) else Severity.WARNING
