@@ -15,9 +15,11 @@ Time is the snapshot's ``ts``, never the wall clock, so a replayed recording
 gives exactly the diagnoses the live run gave over the same snapshots. A
 snapshot older than the previous one is ignored.
 
-Each tick: every numeric signal goes into the rolling windows; each enabled
-rule yields a verdict per subject; a per-(kind, subject, key) state machine
-applies hysteresis:
+Each tick: every numeric signal whose history an enabled rule reads (its
+``Rule.history``) goes into the rolling windows, the rest only into the
+snapshot the rules read current values from; each enabled rule yields a
+verdict per subject; a per-(kind, subject, key) state machine applies
+hysteresis:
 
 * closed -> open when ``enter`` has held continuously ``for_seconds``
   (``since`` is when it started holding);
@@ -37,7 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from llmdiag.analyzers.baseline import Baselines
-from llmdiag.analyzers.context import Context, gpus_from_processes
+from llmdiag.analyzers.context import Context, gpus_from_processes, history_name
 from llmdiag.analyzers.penalties import BackendHealth, backend_health
 from llmdiag.analyzers.rules import RULES, Finding, Rule
 from llmdiag.analyzers.windows import Series, WindowStore, is_counter
@@ -94,6 +96,15 @@ class Analyzer:
         self._destination_of = {b.name: backend_destination(b) for b in known}
         self.rules: list[Rule] = [cls(diag.rule(kind)) for kind, cls in RULES.items() if diag.rule(kind).enabled]
         self.enforced = {kind: diag.rule(kind).enforce for kind in RULES}
+        #: The ``scope/signal`` entries whose history some enabled rule reads (Rule.history): the only
+        #: ones recorded. By scope: the declared names (families and single fields) and their families.
+        self.history: frozenset[str] = frozenset().union(*(rule.history for rule in self.rules))
+        self._declared: dict[str, set[str]] = {}
+        self._families: dict[str, set[str]] = {}
+        for entry in self.history:
+            scope, _, signal = entry.partition("/")
+            self._declared.setdefault(scope, set()).add(signal)
+            self._families.setdefault(scope, set()).add(history_name(signal))
         self.windows = WindowStore(diag.window_seconds)
         self._series_of: dict[tuple[str, str], dict[object, Series]] = {}
         self._sweeps_seen = self.windows.sweeps
@@ -130,6 +141,7 @@ class Analyzer:
         seen: set[tuple[str, str, str]] = set()
         for rule in self.rules:
             cfg = rule.config
+            ctx.history = rule.history  # only what this rule declares (see Rule.history)
             for subject, key, finding in rule.evaluate(ctx):
                 ident = (rule.kind, subject, key)
                 if ident in seen:
@@ -245,6 +257,9 @@ class Analyzer:
             self._record_signals("g", index, signals, ts)
 
     def _record_signals(self, scope: str, subject: str, signals: Signals, ts: float) -> None:
+        history = self._families.get(scope)
+        if not history:
+            return  # no rule reads this scope's history (destinations, the host)
         windows = self.windows
         if windows.sweeps != self._sweeps_seen:
             # The store forgot idle series: drop every kept reference (they are found again below).
@@ -256,7 +271,18 @@ class Analyzer:
         if known is None:
             known = self._series_of[(scope, subject)] = {}
         prefix = f"{scope}/{subject}/"
+        declared = self._declared.get(scope, ())
         for name, value in signals.items():
+            if name not in history:
+                continue  # not read by any rule (most signals: no point keeping their windows)
+            kind = type(value)
+            if kind is float or kind is int:  # most values: the branch below, without its isinstance tests
+                if value == value:
+                    series = known.get(name)
+                    if series is None:
+                        series = known[name] = windows.series_for(prefix + name)
+                    series.append(ts, float(value))
+                continue
             if value is None or isinstance(value, bool):
                 continue
             if isinstance(value, (int, float)):
@@ -266,9 +292,10 @@ class Analyzer:
                         series = known[name] = windows.series_for(prefix + name)
                     series.append(ts, float(value))
             elif isinstance(value, Distribution):
+                whole = name in declared
                 for f in _DIST_FIELDS:
                     v = getattr(value, f)
-                    if v is not None and v == v:
+                    if v is not None and v == v and (whole or f"{name}.{f}" in declared):
                         series = known.get((name, ".", f))
                         if series is None:
                             series = known[(name, ".", f)] = windows.series_for(f"{prefix}{name}.{f}")

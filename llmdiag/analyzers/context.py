@@ -6,7 +6,9 @@ rolling windows, whose series keys are built by :func:`series_key`:
 ``b/<backend>/<signal>``, ``e/<backend>/<engine>/<signal>``, ``g/<gpu>/<signal>``,
 ``d/<ip:port>/<signal>``, ``h//<signal>``. A distribution is recorded as
 ``<signal>.p50|.p99|.ewma``, a labelled signal as ``<signal>{<labels>}`` per
-label string plus ``<signal>`` for the sum.
+label string plus ``<signal>`` for the sum. Only what some enabled rule declares in
+``Rule.history`` is recorded, and a rule's read of anything its own ``history`` does not
+declare raises :class:`UndeclaredHistory`.
 
 Which GPUs serve a backend (:meth:`Context.gpus_for`): ``Backend.gpus`` when
 config or discovery filled it (an override), else the GPUs last named in the
@@ -25,15 +27,34 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from llmdiag.analyzers.baseline import Baselines
-from llmdiag.analyzers.windows import WindowStore, series_key
+from llmdiag.analyzers.windows import Series, WindowStore, series_key
 from llmdiag.config.analyzers import DiagnosisConfig
 from llmdiag.model import HOST, Distribution, Labelled, Snapshot, parse_label_key
 
-__all__ = ["Context", "gpus_from_processes", "number"]
+__all__ = ["Context", "UndeclaredHistory", "gpus_from_processes", "history_name", "number"]
+
+
+#: The signal map of a subject the snapshot lacks (read only: one shared object, not a new dict a read).
+_NONE: Mapping[str, Any] = {}
+
+
+class UndeclaredHistory(LookupError):
+    """A rule read the history of a signal its ``Rule.history`` does not declare: unless another
+    rule declares it, the analyzer does not record it and the read would see nothing. A bug in
+    the rule, raised so that any test reaching the read fails, instead of a rule quietly seeing
+    no history."""
+
+
+def history_name(signal: str) -> str:
+    """The family of a window signal: ``ttft_seconds.ewma`` -> ``ttft_seconds``,
+    ``responses_total{class=ok}`` -> ``responses_total`` (declaring it declares them all)."""
+    return signal.partition("{")[0].partition(".")[0]
 
 
 def number(value: Any) -> float | None:
     """A plain finite number, else ``None`` (NA, absent, labelled, distribution)."""
+    if type(value) is float:  # the common case, a few hundred calls a tick: x - x is 0.0 iff x is finite
+        return value if value - value == 0.0 else None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if math.isfinite(value) else None
@@ -65,8 +86,14 @@ class Context:
         config: DiagnosisConfig,
         gpus_by_backend: Mapping[str, tuple[str, ...]],
         destination_of: Mapping[str, str],
+        history: frozenset[str] | None = None,
     ) -> None:
+        """``history``: the ``scope/signal`` entries whose history may be read (``None``: any;
+        ``Rule.history``); a read of another one raises :class:`UndeclaredHistory`. The analyzer sets it to each rule's own
+        ``Rule.history`` while that rule runs, so a rule that reads an undeclared signal fails
+        even when another rule happens to declare (and so record) it."""
         self.snapshot = snapshot
+        self.history = history
         self.now = snapshot.ts
         self.windows = windows
         self.baselines = baselines
@@ -77,6 +104,7 @@ class Context:
         self._baseline_cache: dict[str, float | None] = {}
         self._owners: dict[str, str] | None = None
         self._backends: list[str] | None = None
+        self._engine_items: dict[str, list[tuple[str, Mapping[str, Any]]]] = {}
         #: (subject, key, value) updates applied after the tick unless the subject is frozen.
         self.baseline_updates: list[tuple[str, str, float]] = []
 
@@ -119,14 +147,18 @@ class Context:
         return self._destination_of.get(backend)
 
     def destination(self, destination: str, signal: str) -> float | None:
-        return number(self.snapshot.destinations.get(destination, {}).get(signal))
+        return number(self.snapshot.destinations.get(destination, _NONE).get(signal))
 
     # -- current values ----------------------------------------------------
     def backend(self, backend: str, signal: str) -> float | None:
-        return number(self.snapshot.backends.get(backend, {}).get(signal))
+        return number(self.snapshot.backends.get(backend, _NONE).get(signal))
 
     def engines(self, backend: str, signal: str) -> Iterator[tuple[str, float]]:
-        for label, signals in sorted(self.snapshot.engines.get(backend, {}).items()):
+        items = self._engine_items.get(backend)
+        if items is None:
+            # Sorted once per backend per tick: several rules ask for several signals each.
+            items = self._engine_items[backend] = sorted(self.snapshot.engines.get(backend, _NONE).items())
+        for label, signals in items:
             v = number(signals.get(signal))
             if v is not None:
                 yield label, v
@@ -144,7 +176,7 @@ class Context:
         return best
 
     def dist(self, backend: str, signal: str, field: str = "ewma") -> float | None:
-        value = self.snapshot.backends.get(backend, {}).get(signal)
+        value = self.snapshot.backends.get(backend, _NONE).get(signal)
         if isinstance(value, Distribution):
             return number(getattr(value, field))
         return number(value)
@@ -163,7 +195,7 @@ class Context:
         return out
 
     def gpu(self, gpu: str, signal: str) -> float | None:
-        return number(self.snapshot.gpus.get(gpu, {}).get(signal))
+        return number(self.snapshot.gpus.get(gpu, _NONE).get(signal))
 
     def host(self, signal: str) -> float | None:
         return number(self.snapshot.host.get(signal))
@@ -178,7 +210,7 @@ class Context:
         """``(down_since, last_up, last_down)`` from the backend's ``up`` history: when the
         current run of failed scrapes began (``None`` while the last scrape answered), when a
         scrape last answered and when one last failed (``None``: not within the window)."""
-        series = self.windows.series(series_key("b", backend, "up"))
+        series = self.series("b", backend, "up")
         if series is None or not len(series):
             return None, None, None
         ts, values = series.ts, series.values
@@ -203,19 +235,36 @@ class Context:
                 down_since = ts[i]
         return down_since, last_up, last_down
 
+    def _key(self, scope: str, subject: str, signal: str) -> str:
+        """The series key of a history read, after checking the signal is recorded."""
+        history = self.history
+        if history is not None and scope + "/" + signal not in history and f"{scope}/{history_name(signal)}" not in history:
+            raise UndeclaredHistory(
+                f"a rule read the history of {signal!r} at scope {scope!r}, which its Rule.history does not "
+                f"declare (so the analyzer may not record it): add reads({scope!r}, {history_name(signal)!r}) to it")
+        return series_key(scope, subject, signal)
+
+    def series(self, scope: str, subject: str, signal: str) -> Series | None:
+        """The signal's window (``None`` when nothing is recorded); read it, never append."""
+        return self.windows.series(self._key(scope, subject, signal))
+
+    def increments(self, scope: str, subject: str, signal: str, seconds: float) -> list[tuple[float, float]]:
+        """:meth:`WindowStore.increments` of the signal."""
+        return self.windows.increments(self._key(scope, subject, signal), seconds)
+
     def value_at(self, scope: str, subject: str, signal: str, ts: float) -> float | None:
         """A signal's recorded value at ``ts`` (the last point at or before it)."""
-        series = self.windows.series(series_key(scope, subject, signal))
+        series = self.windows.series(self._key(scope, subject, signal))
         return None if series is None else series.at(ts)
 
     def rate(self, scope: str, subject: str, signal: str, seconds: float) -> float | None:
-        return self.windows.rate(series_key(scope, subject, signal), seconds)
+        return self.windows.rate(self._key(scope, subject, signal), seconds)
 
     def increase(self, scope: str, subject: str, signal: str, seconds: float) -> float | None:
-        return self.windows.increase(series_key(scope, subject, signal), seconds)
+        return self.windows.increase(self._key(scope, subject, signal), seconds)
 
     def ago(self, scope: str, subject: str, signal: str, seconds: float) -> float | None:
-        return self.windows.value_ago(series_key(scope, subject, signal), seconds)
+        return self.windows.value_ago(self._key(scope, subject, signal), seconds)
 
     # -- baselines -----------------------------------------------------------
     def baseline(self, subject: str, name: str, value: float | None) -> float | None:

@@ -64,7 +64,8 @@ class Series:
         self._adjusted = 0.0
 
     def append(self, ts: float, raw: float) -> None:
-        if self.ts and ts <= self.ts[-1]:
+        times = self.ts
+        if times and ts <= times[-1]:
             return  # out of order or duplicate tick: the window is monotonic
         value = raw
         if self.counter:
@@ -77,7 +78,7 @@ class Series:
                 self._adjusted += raw
             self._raw_last = raw
             value = self._adjusted
-        self.ts.append(ts)
+        times.append(ts)
         self.values.append(value)
 
     def trim(self, oldest: float, max_points: int) -> None:
@@ -119,8 +120,7 @@ class Series:
         # Include points at exactly `ts`.
         while i > self.start and self.ts[i - 1] >= ts:
             i -= 1
-        for j in range(i, len(self.ts)):
-            yield self.ts[j], self.values[j]
+        yield from zip(self.ts[i:], self.values[i:])  # array slices: copies in C, no index per point
 
 
 class WindowStore:
@@ -204,16 +204,22 @@ class WindowStore:
 
     def _span(self, key: str, seconds: float) -> tuple[float, float] | None:
         s = self._series.get(key)
-        if s is None or len(s) < 2:
+        if s is None:
             return None
-        last = len(s.ts) - 1
-        i = s.index_at(self._now - seconds)
-        if i is None:
-            i = s.start
+        # len(s) and s.index_at(), inlined: rules ask for a few hundred rates and increases a tick.
+        ts, start = s.ts, s.start
+        last = len(ts) - 1
+        if last - start < 1:
+            return None
+        oldest = self._now - seconds
+        i = bisect_right(ts, oldest, start) - 1
+        if i < start:
+            i = start
         if i >= last:
             # The newest point is older than the window start: nothing moved in the window.
-            return (seconds, 0.0) if s.ts[last] <= self._now - seconds else None
-        return s.ts[last] - s.ts[i], max(0.0, s.values[last] - s.values[i])
+            return (seconds, 0.0) if ts[last] <= oldest else None
+        values = s.values
+        return ts[last] - ts[i], max(0.0, values[last] - values[i])
 
     def increments(self, key: str, seconds: float) -> list[tuple[float, float]]:
         """``(ts, amount)`` for every tick in the window where a counter rose (for correlation)."""
@@ -221,12 +227,14 @@ class WindowStore:
         if s is None:
             return []
         out = []
-        prev: float | None = None
         i = s.index_at(self._now - seconds)
         lo = s.start if i is None else i
-        for j in range(lo, len(s.ts)):
-            v = s.values[j]
-            if prev is not None and v > prev:
-                out.append((s.ts[j], v - prev))
+        values = s.values
+        if lo >= len(values):
+            return out
+        prev = values[lo]
+        for t, v in zip(s.ts[lo + 1:], values[lo + 1:]):  # array slices: no index per point
+            if v > prev:
+                out.append((t, v - prev))
             prev = v
         return out

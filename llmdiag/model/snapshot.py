@@ -65,26 +65,62 @@ class Scope(str, enum.Enum):
     GPU = "gpu"  # subject: NVML index as a string
 
 
-@dataclass(frozen=True, slots=True)
 class Sample:
     """One signal value from one collector.
 
     ``subject`` names the backend, GPU index or destination (empty for the
     host). ``engine`` is the data-parallel engine label for
     :attr:`Scope.ENGINE` samples.
+
+    Immutable, compared and hashed by value, like the frozen dataclass it replaced: a plain
+    ``__slots__`` class with a hand-written ``__init__`` because collectors build ~1,100 a tick
+    and the dataclass's frozen ``__init__`` (``object.__setattr__`` per field) cost twice as much.
     """
+
+    __slots__ = ("scope", "subject", "name", "value", "engine")
+    __match_args__ = ("scope", "subject", "name", "value", "engine")
 
     scope: Scope
     subject: str
     name: str
     value: SignalValue
-    engine: str | None = None
+    engine: str | None
 
-    def __post_init__(self) -> None:
-        if self.name in (_DESTINATIONS, _ENGINES):
-            raise ValueError(f"{self.name!r} is a reserved key, not a signal name")
-        if (self.scope is Scope.ENGINE) != (self.engine is not None):
+    def __init__(self, scope: Scope, subject: str, name: str, value: SignalValue, engine: str | None = None) -> None:
+        if name == _DESTINATIONS or name == _ENGINES:
+            raise ValueError(f"{name!r} is a reserved key, not a signal name")
+        if (scope is Scope.ENGINE) != (engine is not None):
             raise ValueError("engine label is required for, and only for, Scope.ENGINE samples")
+        _set = object.__setattr__
+        _set(self, "scope", scope)
+        _set(self, "subject", subject)
+        _set(self, "name", name)
+        _set(self, "value", value)
+        _set(self, "engine", engine)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}: Sample is immutable")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}: Sample is immutable")
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (self.scope, self.subject, self.name, self.value, self.engine)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not Sample:
+            return NotImplemented
+        return self._fields() == other._fields()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        return (f"Sample(scope={self.scope!r}, subject={self.subject!r}, name={self.name!r}, "
+                f"value={self.value!r}, engine={self.engine!r})")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Sample, self._fields())
 
 
 class CollectorState(str, enum.Enum):
@@ -140,8 +176,20 @@ class Snapshot:
         self.signals_for(sample.scope, sample.subject, sample.engine)[sample.name] = sample.value
 
     def extend(self, samples: Iterable[Sample]) -> None:
+        """:meth:`add` each sample, in order.
+
+        Collectors emit a subject's samples together, so the signal map is looked up once per
+        run of samples with the same scope, subject and engine, not once per sample (the agent
+        folds ~1,100 samples a tick). The same map :meth:`signals_for` gives, so the same result."""
+        signals: Signals | None = None
+        scope: Scope | None = None
+        subject: str | None = None
+        engine: str | None = None
         for sample in samples:
-            self.add(sample)
+            if sample.scope is not scope or sample.subject != subject or sample.engine != engine or signals is None:
+                scope, subject, engine = sample.scope, sample.subject, sample.engine
+                signals = self.signals_for(scope, subject, engine)
+            signals[sample.name] = sample.value
 
     def signals_for(self, scope: Scope, subject: str = "", engine: str | None = None) -> Signals:
         """The (mutable) signal map for a scope and subject, created if missing."""

@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from llmdiag.analyzers.context import Context
-from llmdiag.analyzers.rules.base import Rule, Verdict, ev
-from llmdiag.analyzers.windows import series_key
+from llmdiag.analyzers.rules.base import Rule, Verdict, ev, reads
 from llmdiag.config.analyzers import BackendDownConfig, EngineStalledConfig
 from llmdiag.model import Evidence, Labelled, Severity
 
@@ -64,6 +63,8 @@ class BackendDown(Rule[BackendDownConfig]):
     """
 
     kind = "backend_down"
+    history = (reads("b", "up", *(s for s, _ in _LAST_GAUGES), *(s for s, _ in _LAST_COUNTERS))
+               | reads("g", "memory_used_bytes", "memory_total_bytes"))
     remediation = (
         "Eject it from routing; check the engine process (crash, OOM kill, restart loop) and its logs. "
         "It is re-admitted once it answers again."
@@ -168,6 +169,7 @@ class EngineStalled(Rule[EngineStalledConfig]):
     """
 
     kind = "engine_stalled"
+    history = reads("be", "requests_running", "requests_waiting", *_PROGRESS)
     remediation = (
         "Stop routing to it; look for a hung collective (NCCL), an XID or a stuck scheduler in the "
         "engine's logs and py-spy dump; restart the engine if it does not recover."
@@ -211,17 +213,16 @@ def _stall(ctx: Context, scope: str, subject: str) -> tuple[float, float, float]
     """``(seconds without progress while work was present, running, waiting)`` for one engine or
     backend now; 0 seconds when it progressed at the last tick or holds no work; ``None``
     without a step counter or a running gauge."""
-    windows = ctx.windows
-    running_s = windows.series(series_key(scope, subject, "requests_running"))
+    running_s = ctx.series(scope, subject, "requests_running")
     if running_s is None or not len(running_s):
         return None
-    steps = windows.series(series_key(scope, subject, _STEPS))
+    steps = ctx.series(scope, subject, _STEPS)
     if steps is None or len(steps) < 2:
         return None
-    progress = [windows.series(series_key(scope, subject, c)) for c in _PROGRESS]
+    progress = [ctx.series(scope, subject, c) for c in _PROGRESS]
     progress = [p for p in progress if p is not None and len(p) >= 2]
     running = running_s.values[-1]
-    waiting_s = windows.series(series_key(scope, subject, "requests_waiting"))
+    waiting_s = ctx.series(scope, subject, "requests_waiting")
     waiting = waiting_s.values[-1] if waiting_s is not None and len(waiting_s) else 0.0
     if running + waiting <= 0:
         return 0.0, running, waiting

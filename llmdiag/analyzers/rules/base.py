@@ -29,7 +29,7 @@ from llmdiag.analyzers.context import Context
 from llmdiag.config.analyzers import RuleConfig
 from llmdiag.model import Evidence, Severity
 
-__all__ = ["Finding", "Rule", "Verdict", "bar", "ev"]
+__all__ = ["Finding", "Rule", "Verdict", "bar", "ev", "reads"]
 
 C = TypeVar("C", bound=RuleConfig)
 
@@ -82,9 +82,23 @@ class Finding:
 Verdict = tuple[str, str, Finding | None]
 
 
+def reads(scopes: str, *signals: str) -> frozenset[str]:
+    """``Rule.history`` entries: each signal at each scope letter of ``scopes`` (``b`` backend,
+    ``e`` DP engine, ``g`` GPU, ``d`` destination, ``h`` host; :func:`~llmdiag.analyzers.windows.series_key`).
+    A signal is a plain or labelled name (a labelled one declares every label and the sum),
+    a distribution's name (all its fields) or one field of it (``ttft_seconds.ewma``)."""
+    return frozenset(f"{scope}/{signal}" for scope in scopes for signal in signals)
+
+
 class Rule(Generic[C]):
     kind: ClassVar[str]
     remediation: ClassVar[str]
+    #: The window signals the rule reads history of (``ctx.rate``/``increase``/``ago``/``value_at``/
+    #: ``outage``/``series``/``increments``), as ``scope/signal`` (see :func:`reads`). The analyzer
+    #: records only what some enabled rule declares (most of a tick's ~1,300 numbers are never read
+    #: back), and while a rule runs :class:`Context` raises :class:`UndeclaredHistory` on its read of
+    #: anything it does not declare, so a missing entry fails every test that reaches the read.
+    history: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, config: C) -> None:
         self.config = config

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from llmdiag.analyzers.context import Context
-from llmdiag.analyzers.rules.base import Rule, Verdict, bar, ev
+from llmdiag.analyzers.rules.base import Rule, Verdict, bar, ev, reads
 from llmdiag.config.analyzers import (
     ErrorBurstConfig,
     FalseHealthyConfig,
@@ -38,6 +38,7 @@ class KvCacheSaturation(Rule[KvCacheSaturationConfig]):
     """
 
     kind = "kv_cache_saturation"
+    history = reads("be", "preemptions_total")
     remediation = "Route long prompts elsewhere; lower max_num_seqs (or max_num_batched_tokens); scale out."
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
@@ -95,6 +96,7 @@ class QueueAvalanche(Rule[QueueAvalancheConfig]):
     """
 
     kind = "queue_avalanche"
+    history = reads("be", "requests_waiting")
     remediation = "Shed or re-route new requests; check for a burst of long-context prompts."
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
@@ -220,6 +222,7 @@ class ErrorBurst(Rule[ErrorBurstConfig]):
     """
 
     kind = "error_burst"
+    history = reads("b", "responses_total", "requests_finished_total")
     remediation = "Cool the backend down; inspect the engine logs for the failing requests."
     _BAD = frozenset({"server_5xx", "saturated_429"})
     # A tenant's own quota and the engine's other 4xx (bad request, unknown model) are the client's doing.

@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable
 
 from llmdiag.analyzers.context import Context, number
-from llmdiag.analyzers.rules.base import Rule, Verdict, bar, ev
+from llmdiag.analyzers.rules.base import Rule, Verdict, bar, ev, reads
 from llmdiag.config.analyzers import (
     GpuFaultConfig,
     GpuIdleWithQueueConfig,
@@ -68,6 +68,7 @@ class GpuMemoryPressure(Rule[GpuMemoryPressureConfig]):
     together with allocator retries. NVML memory alone never fires: engines preallocate."""
 
     kind = "gpu_memory_pressure"
+    history = reads("b", "cuda_alloc_failures_total", "allocator_ooms_total", "allocator_alloc_retries_total")
     remediation = "Restart with a lower gpu_memory_utilization (or fewer max_num_seqs); drain to defragment."
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
@@ -136,6 +137,7 @@ class GpuFault(Rule[GpuFaultConfig]):
     """
 
     kind = "gpu_fault"
+    history = reads("g", "xid_errors_total", "ecc_uncorrected_total")
     remediation = "Eject the backend; drain it and reset the GPU (nvidia-smi -r) or the node."
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
@@ -230,6 +232,7 @@ class IoBlocking(Rule[IoBlockingConfig]):
     on the host, PSI io full avg10 >= psi_io_full_enter."""
 
     kind = "io_blocking"
+    history = reads("b", "io_read_bytes_total")
     remediation = "Pin model weights in memory (no mmap page-in, no swap); use faster local storage."
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:

@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from llmdiag.analyzers.context import Context, number
-from llmdiag.analyzers.correlate import Event, coincide
-from llmdiag.analyzers.rules.base import Rule, Verdict, bar, ev
-from llmdiag.analyzers.windows import series_key
+from llmdiag.analyzers.correlate import Event, Match, coincide
+from llmdiag.analyzers.rules.base import Rule, Verdict, bar, ev, reads
 from llmdiag.config.analyzers import (
     ClientTimeoutStormConfig,
     ConnectionChurnConfig,
@@ -38,10 +37,10 @@ def _counter_events(ctx: Context, backend: str, signal: str, seconds: float, wha
         for key, parsed in labels.items():
             if match and any(parsed.get(k) != v for k, v in match.items()):
                 continue
-            for ts, amount in ctx.windows.increments(series_key("b", backend, f"{signal}{{{key}}}"), seconds):
+            for ts, amount in ctx.increments("b", backend, f"{signal}{{{key}}}", seconds):
                 out.append(Event(ts, backend, what, amount))
     elif match is None:
-        for ts, amount in ctx.windows.increments(series_key("b", backend, signal), seconds):
+        for ts, amount in ctx.increments("b", backend, signal, seconds):
             out.append(Event(ts, backend, what, amount))
     return out
 
@@ -57,6 +56,7 @@ class ClientTimeoutStorm(Rule[ClientTimeoutStormConfig]):
     TTFT on the same backend."""
 
     kind = "client_timeout_storm"
+    history = reads("b", "h2_rst_stream_total", "tcp_peer_closes_total", "ttft_seconds.ewma")
     remediation = "The backend is past its SLO and clients give up: cancelled requests waste GPU; shed load or re-route."
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
@@ -92,11 +92,13 @@ class ClientTimeoutStorm(Rule[ClientTimeoutStormConfig]):
                 ttft_bar = min(ttft_bar, max(cfg.ttft_ratio * ttft_base, 0.5))
             # Correlate: cancel ticks joined with high-TTFT ticks on the same backend.
             lookback = span + cfg.correlate_seconds
-            cancels = _counter_events(ctx, b, "h2_rst_stream_total", span, "cancel", _CLIENT_CANCEL)
-            cancels += _counter_events(ctx, b, "tcp_peer_closes_total", span, "peer_close")
-            series = ctx.windows.series(series_key("b", b, "ttft_seconds.ewma"))
+            series = ctx.series("b", b, "ttft_seconds.ewma")
             slow = [] if series is None else [Event(ts, b, "ttft_high", v) for ts, v in series.points_since(ctx.now - lookback) if v >= ttft_bar]
-            joined = coincide(cancels, slow, cfg.correlate_seconds)
+            joined: list[Match] = []
+            if slow:  # without a slow tick nothing joins: the cancel events are not worth building
+                cancels = _counter_events(ctx, b, "h2_rst_stream_total", span, "cancel", _CLIENT_CANCEL)
+                cancels += _counter_events(ctx, b, "tcp_peer_closes_total", span, "peer_close")
+                joined = coincide(cancels, slow, cfg.correlate_seconds)
             enter = cancel_rate >= bar_enter and bool(joined)
             stay = cancel_rate >= bar_exit and bool(slow)
             severity = Severity.CRITICAL if base and cancel_rate >= cfg.critical_factor * max(base, cfg.min_rate / cfg.rate_factor_enter) else Severity.WARNING
@@ -164,6 +166,8 @@ class ConnectionChurn(Rule[ConnectionChurnConfig]):
     with the same address function the collector keys it by."""
 
     kind = "connection_churn"
+    history = reads("b", "tcp_active_closes_total", "tcp_peer_closes_total", "responses_total", "requests_finished_total",
+                    "h2_streams_closed_total")
     remediation = "Fix client connection pooling (keep-alive on, MaxIdleConnsPerHost, idle timeouts longer than the request interval)."
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
@@ -214,6 +218,7 @@ class GrpcFlowControlStall(Rule[GrpcFlowControlStallConfig]):
     """
 
     kind = "grpc_flow_control_stall"
+    history = reads("b", "h2_stall_then_reset_total", "h2_flow_control_stalls_total", "tcp_sndbuf_full_total")
     remediation = "Raise HTTP/2 stream/connection windows; find the slow consumer; check gateway response buffering."
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
@@ -246,6 +251,7 @@ class NetworkDegradation(Rule[NetworkDegradationConfig]):
     srtt_factor_enter x baseline (and >= srtt_floor_seconds)."""
 
     kind = "network_degradation"
+    history = reads("b", "tcp_sends_total", "tcp_retransmits_total")
     remediation = "Check the NIC and the network path (errors, drops, congestion); move traffic away from this backend."
 
     def evaluate(self, ctx: Context) -> Iterable[Verdict]:
@@ -261,28 +267,37 @@ class NetworkDegradation(Rule[NetworkDegradationConfig]):
             if ratio is None and srtt is None:
                 yield b, "", None
                 continue
-            evidence = []
             enter = stay = False
             if ratio is not None:
                 ref = base_ratio if base_ratio is not None else cfg.retransmit_ratio_floor
-                bar_enter = max(cfg.retransmit_ratio_floor, cfg.retransmit_factor_enter * ref)
-                bar_exit = max(cfg.retransmit_ratio_floor, cfg.retransmit_factor_exit * ref)
-                enter |= ratio >= bar_enter
-                stay |= ratio >= bar_exit
-                evidence.append(ev("retransmits per send", ratio, bar(ratio >= bar_enter, bar_enter, bar_exit), span))
-            if srtt is not None and base_srtt is not None:
-                bar_enter = max(cfg.srtt_floor_seconds, cfg.srtt_factor_enter * base_srtt)
-                bar_exit = max(cfg.srtt_floor_seconds, cfg.srtt_factor_exit * base_srtt)
-                enter |= srtt >= bar_enter
-                stay |= srtt >= bar_exit
-                evidence.append(ev("srtt_seconds", srtt, bar(srtt >= bar_enter, bar_enter, bar_exit), None))
-            parts = []
-            if ratio is not None:
-                parts.append(f"{ratio:.1%} of sends retransmitted")
-            if srtt is not None:
-                parts.append(f"srtt {srtt * 1e3:.1f} ms" + (f" ({srtt / base_srtt:.1f}x baseline)" if base_srtt else ""))
+                ratio_enter = max(cfg.retransmit_ratio_floor, cfg.retransmit_factor_enter * ref)
+                ratio_exit = max(cfg.retransmit_ratio_floor, cfg.retransmit_factor_exit * ref)
+                enter |= ratio >= ratio_enter
+                stay |= ratio >= ratio_exit
+            srtt_judged = srtt is not None and base_srtt is not None
+            if srtt_judged:
+                srtt_enter = max(cfg.srtt_floor_seconds, cfg.srtt_factor_enter * base_srtt)
+                srtt_exit = max(cfg.srtt_floor_seconds, cfg.srtt_factor_exit * base_srtt)
+                enter |= srtt >= srtt_enter
+                stay |= srtt >= srtt_exit
+
+            # Built only when read (a diagnosis opens or stays open): the same text and evidence
+            # as when they were built for every backend every tick.
+            def explain(ratio=ratio, srtt=srtt, base_srtt=base_srtt, srtt_judged=srtt_judged) -> tuple[str, list[Evidence]]:
+                evidence = []
+                if ratio is not None:
+                    evidence.append(ev("retransmits per send", ratio, bar(ratio >= ratio_enter, ratio_enter, ratio_exit), span))
+                if srtt_judged:
+                    evidence.append(ev("srtt_seconds", srtt, bar(srtt >= srtt_enter, srtt_enter, srtt_exit), None))
+                parts = []
+                if ratio is not None:
+                    parts.append(f"{ratio:.1%} of sends retransmitted")
+                if srtt is not None:
+                    parts.append(f"srtt {srtt * 1e3:.1f} ms" + (f" ({srtt / base_srtt:.1f}x baseline)" if base_srtt else ""))
+                return ", ".join(parts), evidence
+
             critical = ratio is not None and ratio >= 0.1
-            yield b, "", self.finding(enter, stay, Severity.CRITICAL if critical else Severity.WARNING, ", ".join(parts), evidence, 0.75)
+            yield b, "", self.explained(enter, stay, Severity.CRITICAL if critical else Severity.WARNING, explain, 0.75)
 
 
 class ConntrackPressure(Rule[ConntrackPressureConfig]):
