@@ -13,6 +13,11 @@ import functools
 import os
 from pathlib import Path
 
+# A rule reading history it does not declare fails the test that reaches the read (the agent
+# itself logs it and starts recording it: llmdiag.analyzers.context.STRICT_HISTORY). Set before
+# any llmdiag module is imported, and inherited by the commands the tests start.
+os.environ["LLMDIAG_STRICT_HISTORY"] = "1"
+
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]

@@ -35,6 +35,7 @@ open or pending diagnosis (so overload never becomes the baseline).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -49,6 +50,8 @@ from llmdiag.config.analyzers import DiagnosisConfig
 from llmdiag.model import Backend, Diagnosis, Distribution, Labelled, Signals, Snapshot
 
 __all__ = ["AnalysisResult", "Analyzer"]
+
+log = logging.getLogger("llmdiag.analyzers")
 
 _DIST_FIELDS = ("p50", "p99", "ewma")
 
@@ -153,6 +156,8 @@ class Analyzer:
                         continue  # nothing to remember
                     track = self._tracks[ident] = _Track()
                 self._step(rule, cfg.for_seconds, cfg.hold_seconds, ident, track, finding, now, opened, closed)
+        if ctx.undeclared:
+            self._record_also(ctx.undeclared)
         for ident, track in list(self._tracks.items()):
             if ident not in seen:
                 self._step(None, 0.0, 0.0, ident, track, None, now, opened, closed)
@@ -171,6 +176,19 @@ class Analyzer:
         return self._last
 
     # -- internals -----------------------------------------------------------
+    def _record_also(self, entries: set[str]) -> None:
+        """Start recording history a rule read without declaring it (see ``context.STRICT_HISTORY``)."""
+        new = entries - self.history
+        if not new:
+            return
+        log.error("a rule read history it does not declare in Rule.history: %s; recording it from now on "
+                  "(a bug in the rule: please report it)", ", ".join(sorted(new)))
+        self.history = self.history | new
+        for entry in new:
+            scope, _, family = entry.partition("/")
+            self._declared.setdefault(scope, set()).add(family)
+            self._families.setdefault(scope, set()).add(family)
+
     def _gpu_map(self, snapshot: Snapshot) -> dict[str, tuple[str, ...]]:
         """Backend -> GPU indices: Backend.gpus where given, else the GPUs its processes were
         last seen on (gpu collector's backend-scope process_memory_bytes{gpu,pid})."""

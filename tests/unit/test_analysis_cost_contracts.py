@@ -5,15 +5,18 @@ only the history its rules declare, with a read of anything else failing loudly.
 from __future__ import annotations
 
 import copy
+import logging
 import pickle
 import random
 
 import pytest
 
 from llmdiag.analyzers import Analyzer
+from llmdiag.analyzers import context
 from llmdiag.analyzers.context import UndeclaredHistory, history_name
 from llmdiag.analyzers.rules import RULES
 from llmdiag.analyzers.rules.base import reads
+from llmdiag.analyzers.rules.availability import BackendDown, EngineStalled
 from llmdiag.analyzers.rules.engine import QueueAvalanche
 from llmdiag.analyzers.timelines import SCENARIOS
 from llmdiag.config.analyzers import DiagnosisConfig
@@ -117,9 +120,29 @@ def test_only_declared_history_is_recorded() -> None:
 def test_a_rule_reading_undeclared_history_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
     # QueueAvalanche reads requests_waiting ten seconds ago; EngineStalled also declares it, so it
     # is recorded, but the check is per rule: dropping it from QueueAvalanche alone must fail.
+    assert context.STRICT_HISTORY  # tests/conftest.py: LLMDIAG_STRICT_HISTORY=1
     monkeypatch.setattr(QueueAvalanche, "history", frozenset())
     analyzer = Analyzer(DiagnosisConfig())
     timeline = SCENARIOS["queue_avalanche"].build()
     with pytest.raises(UndeclaredHistory, match="requests_waiting"):
         for snap in timeline.snapshots:
             analyzer.observe(snap)
+
+
+def test_outside_tests_an_undeclared_read_is_logged_once_and_recorded_from_then_on(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # The running agent: a rule path no test reached must not fail every tick.
+    monkeypatch.setattr(context, "STRICT_HISTORY", False)
+    for rule in (BackendDown, EngineStalled, QueueAvalanche):  # every rule that declares requests_waiting
+        monkeypatch.setattr(rule, "history", frozenset(e for e in rule.history if not e.endswith("/requests_waiting")))
+    analyzer = Analyzer(DiagnosisConfig())
+    assert not any(e.endswith("/requests_waiting") for e in analyzer.history)
+    timeline = SCENARIOS["queue_avalanche"].build()
+    with caplog.at_level(logging.ERROR, logger="llmdiag.analyzers"):
+        for snap in timeline.snapshots:
+            analyzer.observe(snap)
+    learned = [e for e in analyzer.history if e.endswith("/requests_waiting")]
+    assert learned, analyzer.history
+    assert any(k.endswith("/requests_waiting") for k in analyzer.windows._series)  # recorded since
+    errors = [r for r in caplog.records if "does not declare" in r.getMessage()]
+    assert len(errors) == 1 and "requests_waiting" in errors[0].getMessage()
