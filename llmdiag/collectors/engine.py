@@ -147,6 +147,8 @@ class _EngineWindow:
         self.means: dict[str, tuple[float, float]] = {}
         self.ewma: dict[str, float] = {}
         self.resets_total = 0
+        #: signal -> (histogram, its empty delta against itself): see advance.
+        self.idle: dict[str, tuple[CumulativeHistogram, HistogramDelta]] = {}
 
     def _total(self, signal: str, label: str, raw: float) -> tuple[float, bool]:
         key = (signal, label)
@@ -188,6 +190,19 @@ class _EngineWindow:
             self.histograms[signal] = hist
             if previous is None:
                 signals[signal] = _NA_DISTRIBUTION
+                continue
+            if hist is previous:
+                # read_engines hands back the very histogram it built last time when the rule's rows
+                # did not move: nothing observed since, so the window is the empty delta (the same
+                # every time for this histogram, kept) and the EWMA stays where it is.
+                idle = self.idle.get(signal)
+                if idle is None or idle[0] is not hist:
+                    idle = self.idle[signal] = (hist, hist.delta_since(hist)[0])
+                delta = deltas[signal] = idle[1]
+                if delta.count <= 0:  # always, but for a NaN count (a NaN +Inf bucket, no _count line)
+                    signals[signal] = Distribution(None, None, self.ewma.get(signal), 0)
+                else:
+                    signals[signal] = _distribution(delta, self._ewma(signal, delta.mean(), alpha))
                 continue
             delta, reset = hist.delta_since(previous)
             resets += reset

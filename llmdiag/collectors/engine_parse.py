@@ -380,6 +380,34 @@ def _grouped(parsed: ParsedScrape, name: str, rule_match: tuple[tuple[str, str],
     return {engine: [rows[i] for i in indices] for engine, indices in plan.items()}
 
 
+def _bucket_plan(parsed: ParsedScrape, name: str, rule: Rule, dialect: Dialect) -> dict[str, list[tuple[int, float | None]]]:
+    """Per engine, ``(row index, scaled le)`` of each bucket row of histogram ``name`` that
+    ``rule`` reads, in row order; ``le`` None for a row without a numeric ``le`` (a problem each
+    time it is read), rows whose ``le`` is NaN left out. The ``le`` labels belong to the structure,
+    so with a structure memo this is worked out once, not on every changed scrape."""
+    memo = parsed.memo
+    key = ("buckets", name, rule.match, dialect.engine_label, rule.scale)
+    if memo is not None and (plan := memo.get(key)) is not None:
+        return plan
+    rows = parsed.series.get(name) or []
+    plan = {}
+    for index, (labels, _) in enumerate(rows):
+        if not _matches(labels, rule.match):
+            continue
+        entries = plan.setdefault(_engine_of(labels, dialect), [])
+        try:
+            le = float(labels["le"])
+        except (KeyError, ValueError):
+            entries.append((index, None))
+            continue
+        if math.isnan(le):
+            continue
+        entries.append((index, le * rule.scale if math.isfinite(le) else le))
+    if memo is not None:
+        memo[key] = plan
+    return plan
+
+
 def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[str]):  # noqa: C901 - one branch per kind
     """``{engine: store(reading)}`` for the engines this rule has data for."""
     name, signal, kind, scale = rule.canonical, rule.signal, rule.kind, rule.scale
@@ -425,20 +453,17 @@ def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[st
                 out[engine] = lambda r, d=dict(classes): r.labelled_counters.__setitem__(signal, d)
 
     elif kind is Kind.HISTOGRAM:
-        buckets = _grouped(parsed, name + "_bucket", rule.match, dialect)
+        buckets = _bucket_plan(parsed, name + "_bucket", rule, dialect)
         counts = _grouped(parsed, name + "_count", rule.match, dialect)
         sums = _grouped(parsed, name + "_sum", rule.match, dialect)
-        for engine, rows in buckets.items():
+        bucket_rows = parsed.series.get(name + "_bucket") or []
+        for engine, plan in buckets.items():
             pairs = []
-            for labels, value in rows:
-                try:
-                    le = float(labels["le"])
-                except (KeyError, ValueError):
+            for index, le in plan:
+                if le is None:
                     problems.append(f"{rule.metric}_bucket without a numeric 'le' label")
-                    continue
-                if math.isnan(le):
-                    continue
-                pairs.append((le * scale if math.isfinite(le) else le, value))
+                else:
+                    pairs.append((le, bucket_rows[index][1]))
             if not pairs:
                 continue
             count = _finite([v for _, v in counts.get(engine, [])])
