@@ -250,6 +250,8 @@ class _BackendTracker:
         self.last_was_repeat = False  # the last update_body answered from ``repeat``
         # ``repeat``'s samples (backend scope, engine scope), built once: see EngineCollector._samples.
         self.repeat_samples: tuple[list[Sample], list[Sample]] | None = None
+        # The last sample of each (engine or None for the backend, signal): see EngineCollector._reused_samples.
+        self.sample_cache: dict[tuple[str | None, str], Sample] = {}
 
     def update_body(self, body: str, fetched_at: float, alpha: float) -> BackendScrape:
         """The scrape of one ``/metrics`` body: parsed, mapped and stepped, unless it repeats the last one.
@@ -462,6 +464,8 @@ class EngineCollector:
             tracker = self._trackers[backend.name]
             if scrape.up and tracker.last_was_repeat and tracker.repeat is not None:
                 samples.extend(self._repeat_samples(tracker, scrape))
+            elif scrape.up:
+                samples.extend(self._reused_samples(tracker, scrape))
             else:
                 samples.extend(self._samples(scrape))
         if self.results and any(r.up for r in self.results.values()):
@@ -582,12 +586,57 @@ class EngineCollector:
         return out
 
     @staticmethod
+    def _reused_samples(tracker: _BackendTracker, scrape: BackendScrape) -> list[Sample]:
+        """:meth:`_samples` of a scrape, reusing the sample of each signal whose value is the very
+        same (type and float bits) as in the backend's last scrape: at light traffic most gauges,
+        counters and idle distributions did not move, and a sample is frozen, so handing out the
+        last one is handing out an equal one. Labelled values are always new (consumers own theirs)."""
+        name = scrape.backend.name
+        cache = tracker.sample_cache
+        if len(cache) > 4096:  # engines or signals churning: do not grow without bound
+            cache.clear()
+        out: list[Sample] = []
+        append = out.append
+        for engine, signals in ((None, scrape.signals), *scrape.engines.items()):
+            scope = Scope.BACKEND if engine is None else Scope.ENGINE
+            for signal, value in signals.items():
+                key = (engine, signal)
+                old = cache.get(key)
+                if old is not None and _same(old.value, value):
+                    append(old)
+                    continue
+                sample = Sample(scope, name, signal, value, engine=engine)
+                if not isinstance(value, dict):
+                    cache[key] = sample
+                append(sample)
+        return out
+
+    @staticmethod
     def _samples(scrape: BackendScrape) -> list[Sample]:
         name = scrape.backend.name
         samples = [Sample(Scope.BACKEND, name, signal, value) for signal, value in scrape.signals.items()]
         for engine, signals in scrape.engines.items():
             samples.extend(Sample(Scope.ENGINE, name, signal, value, engine=engine) for signal, value in signals.items())
         return samples
+
+
+def _same(old: object, new: object) -> bool:
+    """Whether a sample holding ``old`` is exactly one holding ``new``: same type, same value, and
+    the same sign of zero (0.0 == -0.0 and 1 == 1.0, but they print differently). Labelled values
+    are never the same (each sample owns a copy); NaN is not itself (built anew, as before)."""
+    if old is new and not isinstance(new, dict):
+        return True
+    kind = type(new)
+    if type(old) is not kind:
+        return False
+    if kind is float:
+        return old == new and (new != 0.0 or math.copysign(1.0, old) == math.copysign(1.0, new))  # type: ignore[arg-type]
+    if kind is int:
+        return old == new
+    if kind is Distribution:
+        return (_same(old.p50, new.p50) and _same(old.p99, new.p99) and _same(old.ewma, new.ewma)  # type: ignore[attr-defined]
+                and _same(old.count, new.count))  # type: ignore[attr-defined]
+    return False
 
 
 def _fresh(sample: Sample) -> Sample:
