@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from itertools import compress, count
+from operator import ne
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -107,13 +109,16 @@ class ExpositionCache:
     value, the kept comment lines whole, and the line, canonical name and labels of each kept
     sample line, in order."""
 
-    __slots__ = ("state",)
+    __slots__ = ("last", "state")
 
     def __init__(self) -> None:
         # (heads of every line, (line index, canonical name, labels) per kept sample line, the
         # structure's memo, (line index, line) per kept comment line), swapped as one tuple: a
         # late scrape of the same backend in another thread reads either the old or the new one.
         self.state: tuple[list[str], tuple[tuple[int, str, Labels], ...], dict, tuple[tuple[int, str], ...]] | None = None
+        # (the state it was read with, lines, value per slot, series) of the last scrape read from
+        # ``state``: what the next one is compared with (see _fast_values).
+        self.last: tuple | None = None
 
 
 def _heads(lines: list[str]) -> list[str]:
@@ -141,12 +146,33 @@ def _fast_values(lines: list[str], cache: ExpositionCache) -> tuple[dict[str, Se
     Every line's head (the line up to its last space) must be the cached one: same lines, same
     names and labels, in the same order, so the same lines are kept (whether a line is kept
     depends on its name alone). Kept comment lines (``# TYPE``) must be the same whole. Each kept
-    sample's value must be a number the exposition parser would take too."""
+    sample's value must be a number the exposition parser would take too.
+
+    After one such scrape, the next is compared with it line by line (a C-level pass): only the
+    lines that differ are checked against the structure and have their value read, and the rows
+    of every series none of whose lines changed are the last scrape's own (so read_engines sees
+    them unmoved at once). Lines equal to the last scrape's passed these checks then."""
     state = cache.state
     if state is None:
         return None
-    heads, slots, memo, comments = state
-    if len(lines) != len(heads) or _heads(lines) != heads:
+    heads = state[0]
+    if len(lines) != len(heads):
+        return None
+    last = cache.last
+    if last is not None and last[0] is state:
+        found = _changed_values(lines, state, last)
+    else:
+        found = _all_values(lines, state)
+    if found is None:
+        return None
+    numbers, series = found
+    cache.last = (state, lines, numbers, series)
+    return dict(series), state[2]
+
+
+def _all_values(lines: list[str], state: tuple) -> tuple[list[float], dict[str, Series]] | None:
+    heads, slots, _, comments = state
+    if _heads(lines) != heads:
         return None
     for index, line in comments:
         if lines[index] != line:
@@ -161,7 +187,56 @@ def _fast_values(lines: list[str], cache: ExpositionCache) -> tuple[dict[str, Se
     series: dict[str, Series] = defaultdict(list)
     for (_, name, labels), number in zip(slots, numbers, strict=True):
         series[name].append((labels, number))  # the cached dict: nothing downstream writes to labels
-    return dict(series), memo
+    return numbers, dict(series)
+
+
+def _slot_index(state: tuple) -> tuple[dict[int, int], dict[str, list[int]], frozenset[int]]:
+    """For a structure: the slot of each kept sample line, the slots of each series, the kept
+    comment lines (kept in the structure's memo: worked out once)."""
+    memo = state[2]
+    index = memo.get("slot index")
+    if index is None:
+        slot_at: dict[int, int] = {}
+        rows_of: dict[str, list[int]] = {}
+        for k, (line, name, _) in enumerate(state[1]):
+            slot_at[line] = k
+            rows_of.setdefault(name, []).append(k)
+        index = memo["slot index"] = (slot_at, rows_of, frozenset(i for i, _ in state[3]))
+    return index
+
+
+def _changed_values(lines: list[str], state: tuple, last: tuple) -> tuple[list[float], dict[str, Series]] | None:
+    """:func:`_all_values` of ``lines`` given the last scrape of the same structure (see _fast_values)."""
+    heads, slots = state[0], state[1]
+    _, last_lines, numbers, series = last
+    changed = list(compress(count(), map(ne, lines, last_lines)))
+    if not changed:
+        return numbers, series
+    slot_at, rows_of, comment_lines = _slot_index(state)
+    moved: list[tuple[int, str]] = []
+    for i in changed:
+        line = lines[i]
+        if (line.rpartition(" ")[0] or line) != heads[i] or i in comment_lines:
+            return None  # another line, or a kept comment line that is not the structure's own
+        k = slot_at.get(i)
+        if k is not None:
+            moved.append((k, line.rpartition(" ")[2]))
+    if not moved:
+        return numbers, series
+    if "_" in " ".join(value for _, value in moved):  # as in _all_values
+        return None
+    numbers = list(numbers)
+    names = set()
+    try:
+        for k, value in moved:
+            numbers[k] = float(value)
+            names.add(slots[k][1])
+    except ValueError:
+        return None
+    series = dict(series)
+    for name in names:
+        series[name] = [(slots[k][2], numbers[k]) for k in rows_of[name]]
+    return numbers, series
 
 
 def _remember(lines: list[str], kept: list[tuple[int, str]], samples: list[tuple[str, Labels]], cache: ExpositionCache) -> None:
