@@ -354,15 +354,33 @@ def _single(signals: Signals) -> Signals:
     out: Signals = {}
     for name in sorted(signals):
         value = signals[name]
-        if isinstance(value, Distribution):
+        kind = type(value)
+        if kind is Distribution:
+            out[name] = value
+        elif kind is float or kind is int:
+            # fsum([x]) is x, except that it turns -0.0 into 0.0: so does adding 0.0
+            is_max, is_total = _NAME_RULES.get(name) or _name_rules(name)
+            total = float(value) if is_max else float(value) + 0.0
+            out[name] = _number(total) if is_total else total
+        elif isinstance(value, Distribution):
             out[name] = value
         elif isinstance(value, dict):
             out[name] = Labelled({key: 0 + number for key, number in value.items()})
         elif isinstance(value, (int, float)):
-            # fsum([x]) is x, except that it turns -0.0 into 0.0: so does adding 0.0
             total = float(value) if AGGREGATION.get(name) == "max" else float(value) + 0.0
             out[name] = _number(total) if name.endswith("_total") else total
     return out
+
+
+#: signal -> (aggregated by max, a *_total name): what _single asks of every number, worked out once.
+_NAME_RULES: dict[str, tuple[bool, bool]] = {}
+
+
+def _name_rules(name: str) -> tuple[bool, bool]:
+    rules = (AGGREGATION.get(name) == "max", name.endswith("_total"))
+    if len(_NAME_RULES) < 4096:  # signal names are a fixed set; stay bounded all the same
+        _NAME_RULES[name] = rules
+    return rules
 
 
 def _merge_distributions(name: str, values: list, deltas: list[HistogramDelta]) -> Distribution:
