@@ -362,9 +362,7 @@ def _finite(values: list[float]) -> list[float]:
 
 def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
     """Apply ``dialect`` to a parsed scrape: one :class:`EngineReading` per engine label."""
-    engines: dict[str, EngineReading] = defaultdict(EngineReading)
     problems: list[str] = []
-    done: set[tuple[str, str]] = set()  # (engine, signal) already filled by an earlier rule
     # With a structure memo, a rule whose input rows are the ones it read in the last scrape of
     # this structure (an idle histogram, an unchanged gauge) gives what it gave then: its result
     # is kept per rule, and only the rules whose rows moved run again.
@@ -380,11 +378,13 @@ def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
     elif memo is not None:
         inputs = [frozenset(_rule_inputs(rule)) for rule in dialect.rules]
     outputs: list[tuple[dict | None, list[str]]] = []
+    rerun: list[int] = []
     for i, rule in enumerate(dialect.rules):
         if last is not None and moved.isdisjoint(inputs[i]):
             per_engine, added = last[1][i]
             problems.extend(added)
         else:
+            rerun.append(i)
             before = len(problems)
             try:
                 per_engine = _apply(rule, parsed, dialect, problems)
@@ -393,18 +393,13 @@ def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
                 per_engine = None
             added = problems[before:]
         outputs.append((per_engine, added))
-        if per_engine is None:
-            continue
-        for engine, store in per_engine.items():
-            key = (engine, rule.signal)
-            # Alternative names: the first rule present wins, except labelled counters,
-            # whose rules add disjoint reasons (success + failure counters).
-            if key in done and rule.kind is not Kind.LABELLED_COUNTER:
-                continue
-            done.add(key)
-            store(engines[engine])
+    built = _patched(dialect, outputs, rerun, last) if last is not None else None
+    if built is None:
+        built = _build(dialect, outputs)
+    engines, won = built
     if memo is not None:
-        memo[("rules", dialect.engine)] = (series, outputs, inputs)
+        # The readings are kept (read-only) for the next scrape of this structure to patch.
+        memo[("rules", dialect.engine)] = (series, outputs, inputs, engines, won)
     models = parsed.memo.get("models") if parsed.memo is not None else None
     if models is None:
         models = tuple(sorted({
@@ -417,6 +412,64 @@ def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
         if parsed.memo is not None:
             parsed.memo["models"] = models
     return Reading(dict(engines), models, problems)
+
+
+#: Rule kinds whose store sets one value (``reading.<part>[signal] = value``), never merges into one.
+_PLAIN_KINDS = frozenset({Kind.GAUGE, Kind.COUNTER, Kind.HISTOGRAM, Kind.HISTOGRAM_SUM_COUNTER,
+                          Kind.HISTOGRAM_COUNT_COUNTER, Kind.MEAN_COUNTERS, Kind.RATIO, Kind.PRODUCT,
+                          Kind.INFO_PRODUCT})
+
+
+def _build(dialect: Dialect, outputs: list[tuple[dict | None, list[str]]]) -> tuple[dict[str, EngineReading], list[list[str]]]:
+    """The engines' readings from every rule's output, in rule order, and per rule the engines its
+    store was applied to (where it won)."""
+    engines: dict[str, EngineReading] = defaultdict(EngineReading)
+    done: set[tuple[str, str]] = set()  # (engine, signal) already filled by an earlier rule
+    won: list[list[str]] = []
+    for rule, (per_engine, _) in zip(dialect.rules, outputs, strict=True):
+        stored: list[str] = []
+        won.append(stored)
+        if per_engine is None:
+            continue
+        for engine, store in per_engine.items():
+            key = (engine, rule.signal)
+            # Alternative names: the first rule present wins, except labelled counters,
+            # whose rules add disjoint reasons (success + failure counters).
+            if key in done and rule.kind is not Kind.LABELLED_COUNTER:
+                continue
+            done.add(key)
+            store(engines[engine])
+            stored.append(engine)
+    return dict(engines), won
+
+
+def _patched(dialect: Dialect, outputs: list, rerun: list[int], last: tuple) -> tuple[dict[str, EngineReading], list[list[str]]] | None:
+    """:func:`_build`'s result from the last one of this structure, when only plain rules ran again
+    and each gave values for the very engines it gave them for last time: then every (engine,
+    signal) has the same winning rule, so the last readings (copied) with those rules' values set
+    again are what a build gives, in the same order. None otherwise (a build is needed)."""
+    if len(last) < 5:
+        return None
+    last_outputs, last_engines, won = last[1], last[3], last[4]
+    for i in rerun:
+        new, old = outputs[i][0], last_outputs[i][0]
+        if dialect.rules[i].kind not in _PLAIN_KINDS or (new is None) != (old is None):
+            return None
+        if new is not None and list(new) != list(old):
+            return None
+    engines = {label: _copied(reading) for label, reading in last_engines.items()}
+    for i in rerun:
+        per_engine = outputs[i][0]
+        for engine in won[i]:
+            per_engine[engine](engines[engine])
+    return engines, won
+
+
+def _copied(reading: EngineReading) -> EngineReading:
+    """A reading whose parts can be set without touching ``reading`` (labelled parts' inner dicts are
+    shared: no plain rule writes into them)."""
+    return EngineReading(dict(reading.gauges), dict(reading.labelled_gauges), dict(reading.counters),
+                         dict(reading.labelled_counters), dict(reading.histograms), dict(reading.mean_counters))
 
 
 def _rule_inputs(rule: Rule) -> tuple[str, ...]:

@@ -141,6 +141,47 @@ def test_the_structure_memo_gives_what_a_full_read_gives(path: Path) -> None:
     assert read_engines(again, dialect) == read_engines(parse_exposition(third), dialect)
 
 
+@pytest.mark.parametrize("path", SCRAPES, ids=lambda p: p.name)
+def test_readings_patched_from_the_last_ones_are_those_of_a_full_read(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When only plain rules (gauges, counters, histograms...) ran again and gave values for the same
+    engines, read_engines patches copies of the last readings instead of building them: each line
+    changed alone, one after the other, must still read as a full parse does, key order included."""
+    from llmdiag.collectors.engine_names import detect_dialect
+    from llmdiag.collectors.engine_parse import read_engines
+
+    text = path.read_text()
+    cache = ExpositionCache()
+    parse_exposition(text, cache)
+    dialect = detect_dialect(parse_exposition(text).names())
+    if cache.state is None or dialect is None:
+        pytest.skip("no structure to reuse or no engine dialect")
+    patched = []
+    real = engine_parse._patched
+
+    def counting(*args: object) -> object:
+        got = real(*args)  # type: ignore[arg-type]
+        patched.append(got is not None)
+        return got
+
+    monkeypatch.setattr(engine_parse, "_patched", counting)
+    lines = new_values(text).split("\n")
+    read_engines(parse_exposition("\n".join(lines), cache), dialect)
+    slots = [index for index, _, _ in cache.state[1]]
+    for step, index in enumerate(slots[:60]):
+        lines[index] = lines[index].rpartition(" ")[0] + f" {step + 0.5!r}"
+        body = "\n".join(lines)
+        fast, full = read_engines(parse_exposition(body, cache), dialect), read_engines(parse_exposition(body), dialect)
+        assert fast == full, lines[index]
+        assert [list(vars_of(r)) for r in fast.engines.values()] == [list(vars_of(r)) for r in full.engines.values()]
+    assert any(patched) or not slots
+
+
+def vars_of(reading: engine_parse.EngineReading) -> list:
+    """Every part of a reading with its keys in order (dataclass == ignores dict order)."""
+    return [(name, list(getattr(reading, name).items())) for name in
+            ("gauges", "labelled_gauges", "counters", "labelled_counters", "histograms", "mean_counters")]
+
+
 def test_a_line_that_becomes_wanted_or_a_changed_type_line_goes_through_the_full_parser(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
