@@ -147,6 +147,8 @@ class _EngineWindow:
         self.means: dict[str, tuple[float, float]] = {}
         self.ewma: dict[str, float] = {}
         self.resets_total = 0
+        #: signal -> (histogram, its empty delta against itself): see advance.
+        self.idle: dict[str, tuple[CumulativeHistogram, HistogramDelta]] = {}
 
     def _total(self, signal: str, label: str, raw: float) -> tuple[float, bool]:
         key = (signal, label)
@@ -188,6 +190,19 @@ class _EngineWindow:
             self.histograms[signal] = hist
             if previous is None:
                 signals[signal] = _NA_DISTRIBUTION
+                continue
+            if hist is previous:
+                # read_engines hands back the very histogram it built last time when the rule's rows
+                # did not move: nothing observed since, so the window is the empty delta (the same
+                # every time for this histogram, kept) and the EWMA stays where it is.
+                idle = self.idle.get(signal)
+                if idle is None or idle[0] is not hist:
+                    idle = self.idle[signal] = (hist, hist.delta_since(hist)[0])
+                delta = deltas[signal] = idle[1]
+                if delta.count <= 0:  # always, but for a NaN count (a NaN +Inf bucket, no _count line)
+                    signals[signal] = Distribution(None, None, self.ewma.get(signal), 0)
+                else:
+                    signals[signal] = _distribution(delta, self._ewma(signal, delta.mean(), alpha))
                 continue
             delta, reset = hist.delta_since(previous)
             resets += reset
@@ -235,6 +250,8 @@ class _BackendTracker:
         self.last_was_repeat = False  # the last update_body answered from ``repeat``
         # ``repeat``'s samples (backend scope, engine scope), built once: see EngineCollector._samples.
         self.repeat_samples: tuple[list[Sample], list[Sample]] | None = None
+        # The last sample of each (engine or None for the backend, signal): see EngineCollector._reused_samples.
+        self.sample_cache: dict[tuple[str | None, str], Sample] = {}
 
     def update_body(self, body: str, fetched_at: float, alpha: float) -> BackendScrape:
         """The scrape of one ``/metrics`` body: parsed, mapped and stepped, unless it repeats the last one.
@@ -337,15 +354,33 @@ def _single(signals: Signals) -> Signals:
     out: Signals = {}
     for name in sorted(signals):
         value = signals[name]
-        if isinstance(value, Distribution):
+        kind = type(value)
+        if kind is Distribution:
+            out[name] = value
+        elif kind is float or kind is int:
+            # fsum([x]) is x, except that it turns -0.0 into 0.0: so does adding 0.0
+            is_max, is_total = _NAME_RULES.get(name) or _name_rules(name)
+            total = float(value) if is_max else float(value) + 0.0
+            out[name] = _number(total) if is_total else total
+        elif isinstance(value, Distribution):
             out[name] = value
         elif isinstance(value, dict):
             out[name] = Labelled({key: 0 + number for key, number in value.items()})
         elif isinstance(value, (int, float)):
-            # fsum([x]) is x, except that it turns -0.0 into 0.0: so does adding 0.0
             total = float(value) if AGGREGATION.get(name) == "max" else float(value) + 0.0
             out[name] = _number(total) if name.endswith("_total") else total
     return out
+
+
+#: signal -> (aggregated by max, a *_total name): what _single asks of every number, worked out once.
+_NAME_RULES: dict[str, tuple[bool, bool]] = {}
+
+
+def _name_rules(name: str) -> tuple[bool, bool]:
+    rules = (AGGREGATION.get(name) == "max", name.endswith("_total"))
+    if len(_NAME_RULES) < 4096:  # signal names are a fixed set; stay bounded all the same
+        _NAME_RULES[name] = rules
+    return rules
 
 
 def _merge_distributions(name: str, values: list, deltas: list[HistogramDelta]) -> Distribution:
@@ -447,6 +482,8 @@ class EngineCollector:
             tracker = self._trackers[backend.name]
             if scrape.up and tracker.last_was_repeat and tracker.repeat is not None:
                 samples.extend(self._repeat_samples(tracker, scrape))
+            elif scrape.up:
+                samples.extend(self._reused_samples(tracker, scrape))
             else:
                 samples.extend(self._samples(scrape))
         if self.results and any(r.up for r in self.results.values()):
@@ -567,12 +604,57 @@ class EngineCollector:
         return out
 
     @staticmethod
+    def _reused_samples(tracker: _BackendTracker, scrape: BackendScrape) -> list[Sample]:
+        """:meth:`_samples` of a scrape, reusing the sample of each signal whose value is the very
+        same (type and float bits) as in the backend's last scrape: at light traffic most gauges,
+        counters and idle distributions did not move, and a sample is frozen, so handing out the
+        last one is handing out an equal one. Labelled values are always new (consumers own theirs)."""
+        name = scrape.backend.name
+        cache = tracker.sample_cache
+        if len(cache) > 4096:  # engines or signals churning: do not grow without bound
+            cache.clear()
+        out: list[Sample] = []
+        append = out.append
+        for engine, signals in ((None, scrape.signals), *scrape.engines.items()):
+            scope = Scope.BACKEND if engine is None else Scope.ENGINE
+            for signal, value in signals.items():
+                key = (engine, signal)
+                old = cache.get(key)
+                if old is not None and _same(old.value, value):
+                    append(old)
+                    continue
+                sample = Sample(scope, name, signal, value, engine=engine)
+                if not isinstance(value, dict):
+                    cache[key] = sample
+                append(sample)
+        return out
+
+    @staticmethod
     def _samples(scrape: BackendScrape) -> list[Sample]:
         name = scrape.backend.name
         samples = [Sample(Scope.BACKEND, name, signal, value) for signal, value in scrape.signals.items()]
         for engine, signals in scrape.engines.items():
             samples.extend(Sample(Scope.ENGINE, name, signal, value, engine=engine) for signal, value in signals.items())
         return samples
+
+
+def _same(old: object, new: object) -> bool:
+    """Whether a sample holding ``old`` is exactly one holding ``new``: same type, same value, and
+    the same sign of zero (0.0 == -0.0 and 1 == 1.0, but they print differently). Labelled values
+    are never the same (each sample owns a copy); NaN is not itself (built anew, as before)."""
+    if old is new and not isinstance(new, dict):
+        return True
+    kind = type(new)
+    if type(old) is not kind:
+        return False
+    if kind is float:
+        return old == new and (new != 0.0 or math.copysign(1.0, old) == math.copysign(1.0, new))  # type: ignore[arg-type]
+    if kind is int:
+        return old == new
+    if kind is Distribution:
+        return (_same(old.p50, new.p50) and _same(old.p99, new.p99) and _same(old.ewma, new.ewma)  # type: ignore[attr-defined]
+                and _same(old.count, new.count))  # type: ignore[attr-defined]
+    return False
 
 
 def _fresh(sample: Sample) -> Sample:

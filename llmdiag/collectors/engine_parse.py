@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from itertools import compress, count
+from operator import ne
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -107,13 +109,16 @@ class ExpositionCache:
     value, the kept comment lines whole, and the line, canonical name and labels of each kept
     sample line, in order."""
 
-    __slots__ = ("state",)
+    __slots__ = ("last", "state")
 
     def __init__(self) -> None:
         # (heads of every line, (line index, canonical name, labels) per kept sample line, the
         # structure's memo, (line index, line) per kept comment line), swapped as one tuple: a
         # late scrape of the same backend in another thread reads either the old or the new one.
         self.state: tuple[list[str], tuple[tuple[int, str, Labels], ...], dict, tuple[tuple[int, str], ...]] | None = None
+        # (the state it was read with, lines, value per slot, series) of the last scrape read from
+        # ``state``: what the next one is compared with (see _fast_values).
+        self.last: tuple | None = None
 
 
 def _heads(lines: list[str]) -> list[str]:
@@ -141,12 +146,33 @@ def _fast_values(lines: list[str], cache: ExpositionCache) -> tuple[dict[str, Se
     Every line's head (the line up to its last space) must be the cached one: same lines, same
     names and labels, in the same order, so the same lines are kept (whether a line is kept
     depends on its name alone). Kept comment lines (``# TYPE``) must be the same whole. Each kept
-    sample's value must be a number the exposition parser would take too."""
+    sample's value must be a number the exposition parser would take too.
+
+    After one such scrape, the next is compared with it line by line (a C-level pass): only the
+    lines that differ are checked against the structure and have their value read, and the rows
+    of every series none of whose lines changed are the last scrape's own (so read_engines sees
+    them unmoved at once). Lines equal to the last scrape's passed these checks then."""
     state = cache.state
     if state is None:
         return None
-    heads, slots, memo, comments = state
-    if len(lines) != len(heads) or _heads(lines) != heads:
+    heads = state[0]
+    if len(lines) != len(heads):
+        return None
+    last = cache.last
+    if last is not None and last[0] is state:
+        found = _changed_values(lines, state, last)
+    else:
+        found = _all_values(lines, state)
+    if found is None:
+        return None
+    numbers, series = found
+    cache.last = (state, lines, numbers, series)
+    return dict(series), state[2]
+
+
+def _all_values(lines: list[str], state: tuple) -> tuple[list[float], dict[str, Series]] | None:
+    heads, slots, _, comments = state
+    if _heads(lines) != heads:
         return None
     for index, line in comments:
         if lines[index] != line:
@@ -161,7 +187,56 @@ def _fast_values(lines: list[str], cache: ExpositionCache) -> tuple[dict[str, Se
     series: dict[str, Series] = defaultdict(list)
     for (_, name, labels), number in zip(slots, numbers, strict=True):
         series[name].append((labels, number))  # the cached dict: nothing downstream writes to labels
-    return dict(series), memo
+    return numbers, dict(series)
+
+
+def _slot_index(state: tuple) -> tuple[dict[int, int], dict[str, list[int]], frozenset[int]]:
+    """For a structure: the slot of each kept sample line, the slots of each series, the kept
+    comment lines (kept in the structure's memo: worked out once)."""
+    memo = state[2]
+    index = memo.get("slot index")
+    if index is None:
+        slot_at: dict[int, int] = {}
+        rows_of: dict[str, list[int]] = {}
+        for k, (line, name, _) in enumerate(state[1]):
+            slot_at[line] = k
+            rows_of.setdefault(name, []).append(k)
+        index = memo["slot index"] = (slot_at, rows_of, frozenset(i for i, _ in state[3]))
+    return index
+
+
+def _changed_values(lines: list[str], state: tuple, last: tuple) -> tuple[list[float], dict[str, Series]] | None:
+    """:func:`_all_values` of ``lines`` given the last scrape of the same structure (see _fast_values)."""
+    heads, slots = state[0], state[1]
+    _, last_lines, numbers, series = last
+    changed = list(compress(count(), map(ne, lines, last_lines)))
+    if not changed:
+        return numbers, series
+    slot_at, rows_of, comment_lines = _slot_index(state)
+    moved: list[tuple[int, str]] = []
+    for i in changed:
+        line = lines[i]
+        if (line.rpartition(" ")[0] or line) != heads[i] or i in comment_lines:
+            return None  # another line, or a kept comment line that is not the structure's own
+        k = slot_at.get(i)
+        if k is not None:
+            moved.append((k, line.rpartition(" ")[2]))
+    if not moved:
+        return numbers, series
+    if "_" in " ".join(value for _, value in moved):  # as in _all_values
+        return None
+    numbers = list(numbers)
+    names = set()
+    try:
+        for k, value in moved:
+            numbers[k] = float(value)
+            names.add(slots[k][1])
+    except ValueError:
+        return None
+    series = dict(series)
+    for name in names:
+        series[name] = [(slots[k][2], numbers[k]) for k in rows_of[name]]
+    return numbers, series
 
 
 def _remember(lines: list[str], kept: list[tuple[int, str]], samples: list[tuple[str, Labels]], cache: ExpositionCache) -> None:
@@ -287,9 +362,7 @@ def _finite(values: list[float]) -> list[float]:
 
 def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
     """Apply ``dialect`` to a parsed scrape: one :class:`EngineReading` per engine label."""
-    engines: dict[str, EngineReading] = defaultdict(EngineReading)
     problems: list[str] = []
-    done: set[tuple[str, str]] = set()  # (engine, signal) already filled by an earlier rule
     # With a structure memo, a rule whose input rows are the ones it read in the last scrape of
     # this structure (an idle histogram, an unchanged gauge) gives what it gave then: its result
     # is kept per rule, and only the rules whose rows moved run again.
@@ -305,11 +378,13 @@ def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
     elif memo is not None:
         inputs = [frozenset(_rule_inputs(rule)) for rule in dialect.rules]
     outputs: list[tuple[dict | None, list[str]]] = []
+    rerun: list[int] = []
     for i, rule in enumerate(dialect.rules):
         if last is not None and moved.isdisjoint(inputs[i]):
             per_engine, added = last[1][i]
             problems.extend(added)
         else:
+            rerun.append(i)
             before = len(problems)
             try:
                 per_engine = _apply(rule, parsed, dialect, problems)
@@ -318,18 +393,13 @@ def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
                 per_engine = None
             added = problems[before:]
         outputs.append((per_engine, added))
-        if per_engine is None:
-            continue
-        for engine, store in per_engine.items():
-            key = (engine, rule.signal)
-            # Alternative names: the first rule present wins, except labelled counters,
-            # whose rules add disjoint reasons (success + failure counters).
-            if key in done and rule.kind is not Kind.LABELLED_COUNTER:
-                continue
-            done.add(key)
-            store(engines[engine])
+    built = _patched(dialect, outputs, rerun, last) if last is not None else None
+    if built is None:
+        built = _build(dialect, outputs)
+    engines, won = built
     if memo is not None:
-        memo[("rules", dialect.engine)] = (series, outputs, inputs)
+        # The readings are kept (read-only) for the next scrape of this structure to patch.
+        memo[("rules", dialect.engine)] = (series, outputs, inputs, engines, won)
     models = parsed.memo.get("models") if parsed.memo is not None else None
     if models is None:
         models = tuple(sorted({
@@ -342,6 +412,64 @@ def read_engines(parsed: ParsedScrape, dialect: Dialect) -> Reading:
         if parsed.memo is not None:
             parsed.memo["models"] = models
     return Reading(dict(engines), models, problems)
+
+
+#: Rule kinds whose store sets one value (``reading.<part>[signal] = value``), never merges into one.
+_PLAIN_KINDS = frozenset({Kind.GAUGE, Kind.COUNTER, Kind.HISTOGRAM, Kind.HISTOGRAM_SUM_COUNTER,
+                          Kind.HISTOGRAM_COUNT_COUNTER, Kind.MEAN_COUNTERS, Kind.RATIO, Kind.PRODUCT,
+                          Kind.INFO_PRODUCT})
+
+
+def _build(dialect: Dialect, outputs: list[tuple[dict | None, list[str]]]) -> tuple[dict[str, EngineReading], list[list[str]]]:
+    """The engines' readings from every rule's output, in rule order, and per rule the engines its
+    store was applied to (where it won)."""
+    engines: dict[str, EngineReading] = defaultdict(EngineReading)
+    done: set[tuple[str, str]] = set()  # (engine, signal) already filled by an earlier rule
+    won: list[list[str]] = []
+    for rule, (per_engine, _) in zip(dialect.rules, outputs, strict=True):
+        stored: list[str] = []
+        won.append(stored)
+        if per_engine is None:
+            continue
+        for engine, store in per_engine.items():
+            key = (engine, rule.signal)
+            # Alternative names: the first rule present wins, except labelled counters,
+            # whose rules add disjoint reasons (success + failure counters).
+            if key in done and rule.kind is not Kind.LABELLED_COUNTER:
+                continue
+            done.add(key)
+            store(engines[engine])
+            stored.append(engine)
+    return dict(engines), won
+
+
+def _patched(dialect: Dialect, outputs: list, rerun: list[int], last: tuple) -> tuple[dict[str, EngineReading], list[list[str]]] | None:
+    """:func:`_build`'s result from the last one of this structure, when only plain rules ran again
+    and each gave values for the very engines it gave them for last time: then every (engine,
+    signal) has the same winning rule, so the last readings (copied) with those rules' values set
+    again are what a build gives, in the same order. None otherwise (a build is needed)."""
+    if len(last) < 5:
+        return None
+    last_outputs, last_engines, won = last[1], last[3], last[4]
+    for i in rerun:
+        new, old = outputs[i][0], last_outputs[i][0]
+        if dialect.rules[i].kind not in _PLAIN_KINDS or (new is None) != (old is None):
+            return None
+        if new is not None and list(new) != list(old):
+            return None
+    engines = {label: _copied(reading) for label, reading in last_engines.items()}
+    for i in rerun:
+        per_engine = outputs[i][0]
+        for engine in won[i]:
+            per_engine[engine](engines[engine])
+    return engines, won
+
+
+def _copied(reading: EngineReading) -> EngineReading:
+    """A reading whose parts can be set without touching ``reading`` (labelled parts' inner dicts are
+    shared: no plain rule writes into them)."""
+    return EngineReading(dict(reading.gauges), dict(reading.labelled_gauges), dict(reading.counters),
+                         dict(reading.labelled_counters), dict(reading.histograms), dict(reading.mean_counters))
 
 
 def _rule_inputs(rule: Rule) -> tuple[str, ...]:
@@ -378,6 +506,34 @@ def _grouped(parsed: ParsedScrape, name: str, rule_match: tuple[tuple[str, str],
                 plan.setdefault(_engine_of(labels, dialect), []).append(i)
         memo[key] = plan
     return {engine: [rows[i] for i in indices] for engine, indices in plan.items()}
+
+
+def _bucket_plan(parsed: ParsedScrape, name: str, rule: Rule, dialect: Dialect) -> dict[str, list[tuple[int, float | None]]]:
+    """Per engine, ``(row index, scaled le)`` of each bucket row of histogram ``name`` that
+    ``rule`` reads, in row order; ``le`` None for a row without a numeric ``le`` (a problem each
+    time it is read), rows whose ``le`` is NaN left out. The ``le`` labels belong to the structure,
+    so with a structure memo this is worked out once, not on every changed scrape."""
+    memo = parsed.memo
+    key = ("buckets", name, rule.match, dialect.engine_label, rule.scale)
+    if memo is not None and (plan := memo.get(key)) is not None:
+        return plan
+    rows = parsed.series.get(name) or []
+    plan = {}
+    for index, (labels, _) in enumerate(rows):
+        if not _matches(labels, rule.match):
+            continue
+        entries = plan.setdefault(_engine_of(labels, dialect), [])
+        try:
+            le = float(labels["le"])
+        except (KeyError, ValueError):
+            entries.append((index, None))
+            continue
+        if math.isnan(le):
+            continue
+        entries.append((index, le * rule.scale if math.isfinite(le) else le))
+    if memo is not None:
+        memo[key] = plan
+    return plan
 
 
 def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[str]):  # noqa: C901 - one branch per kind
@@ -425,20 +581,17 @@ def _apply(rule: Rule, parsed: ParsedScrape, dialect: Dialect, problems: list[st
                 out[engine] = lambda r, d=dict(classes): r.labelled_counters.__setitem__(signal, d)
 
     elif kind is Kind.HISTOGRAM:
-        buckets = _grouped(parsed, name + "_bucket", rule.match, dialect)
+        buckets = _bucket_plan(parsed, name + "_bucket", rule, dialect)
         counts = _grouped(parsed, name + "_count", rule.match, dialect)
         sums = _grouped(parsed, name + "_sum", rule.match, dialect)
-        for engine, rows in buckets.items():
+        bucket_rows = parsed.series.get(name + "_bucket") or []
+        for engine, plan in buckets.items():
             pairs = []
-            for labels, value in rows:
-                try:
-                    le = float(labels["le"])
-                except (KeyError, ValueError):
+            for index, le in plan:
+                if le is None:
                     problems.append(f"{rule.metric}_bucket without a numeric 'le' label")
-                    continue
-                if math.isnan(le):
-                    continue
-                pairs.append((le * scale if math.isfinite(le) else le, value))
+                else:
+                    pairs.append((le, bucket_rows[index][1]))
             if not pairs:
                 continue
             count = _finite([v for _, v in counts.get(engine, [])])

@@ -16,7 +16,9 @@ it was observed since the restart), never a negative number.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Iterable
+from itertools import accumulate
 from dataclasses import dataclass
 
 __all__ = ["CumulativeHistogram", "HistogramDelta", "counter_delta", "histogram_quantile", "histogram_quantiles"]
@@ -117,15 +119,12 @@ def histogram_quantiles(qs: tuple[float, ...], buckets: tuple[tuple[float, float
     """:func:`histogram_quantile` for each of ``qs``, the buckets prepared once (p50 and p99 of one window)."""
     if len(buckets) < 2 or buckets[-1][0] != math.inf:
         return (None,) * len(qs)
-    bounds: list[float] = []
-    counts: list[float] = []
-    running = 0.0
-    for le, value in buckets:
-        if not math.isfinite(value) or math.isnan(le):
-            return (None,) * len(qs)
-        running = max(running, value)
-        bounds.append(le)
-        counts.append(running)
+    bounds = [le for le, _ in buckets]
+    values = [value for _, value in buckets]
+    if not all(map(math.isfinite, values)) or any(map(math.isnan, bounds)):
+        return (None,) * len(qs)
+    # The running maximum from 0 (max(running, value), in that order, as a loop would).
+    counts = list(accumulate(values, max, initial=0.0))[1:]
     total = counts[-1]
     if total <= 0:
         return (None,) * len(qs)
@@ -134,7 +133,7 @@ def histogram_quantiles(qs: tuple[float, ...], buckets: tuple[tuple[float, float
 
 def _interpolate(q: float, bounds: list[float], counts: list[float], total: float) -> float:
     rank = q * total
-    index = next(i for i, c in enumerate(counts) if c >= rank)
+    index = bisect_left(counts, rank)  # the first bucket whose count reaches the rank (counts never fall)
     if index == len(bounds) - 1:
         return bounds[-2]
     upper = bounds[index]

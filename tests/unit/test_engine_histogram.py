@@ -87,3 +87,62 @@ def test_an_unchanged_histogram_is_an_empty_window_and_a_lower_sum_still_a_reset
     no_sum = CumulativeHistogram.build([(0.1, 4.0), (math.inf, 4.0)], None, None)
     delta, reset = no_sum.delta_since(no_sum)
     assert not reset and delta.count == 0.0 and math.isnan(delta.sum)
+
+
+def _reference_quantiles(qs: tuple[float, ...], buckets: list[tuple[float, float]]) -> tuple[float | None, ...]:
+    """histogram_quantiles as first written (a loop and a linear search): what the faster one must give."""
+    if len(buckets) < 2 or buckets[-1][0] != math.inf:
+        return (None,) * len(qs)
+    bounds, counts, running = [], [], 0.0
+    for le, value in buckets:
+        if not math.isfinite(value) or math.isnan(le):
+            return (None,) * len(qs)
+        running = max(running, value)
+        bounds.append(le)
+        counts.append(running)
+    total = counts[-1]
+    if total <= 0:
+        return (None,) * len(qs)
+    out = []
+    for q in qs:
+        if not 0.0 <= q <= 1.0:
+            out.append(None)
+            continue
+        rank = q * total
+        index = next(i for i, c in enumerate(counts) if c >= rank)
+        if index == len(bounds) - 1:
+            out.append(bounds[-2])
+            continue
+        upper = bounds[index]
+        if index == 0:
+            if upper <= 0:
+                out.append(upper)
+                continue
+            lower, below = 0.0, 0.0
+        else:
+            lower, below = bounds[index - 1], counts[index - 1]
+        in_bucket = counts[index] - below
+        out.append(upper if in_bucket <= 0 else lower + (upper - lower) * (rank - below) / in_bucket)
+    return tuple(out)
+
+
+def test_quantiles_match_the_reference_on_random_and_odd_bucket_lists() -> None:
+    import random
+
+    from llmdiag.collectors.histogram import histogram_quantiles
+
+    rng = random.Random(13)
+    qs = (0.0, 0.5, 0.99, 1.0, 1.5)
+    cases = [[(0.1, 0.0), (math.inf, 0.0)], [(-1.0, 2.0), (0.5, 1.0), (math.inf, 3.0)],
+             [(0.1, -0.0), (1.0, 0.0), (math.inf, 5.0)], [(0.1, math.nan), (math.inf, 1.0)],
+             [(math.nan, 1.0), (math.inf, 2.0)], [(0.1, 4.0), (1.0, 2.0), (math.inf, 4.0)]]
+    for _ in range(400):
+        n = rng.randint(2, 25)
+        les = sorted(rng.choice([rng.uniform(-1, 5), round(rng.uniform(0, 3), 1)]) for _ in range(n - 1)) + [math.inf]
+        values, running = [], 0.0
+        for _ in les:
+            running += rng.choice([0.0, 0.0, 1.0, rng.uniform(0, 7)])
+            values.append(running if rng.random() > 0.1 else rng.uniform(0, running + 1))  # torn scrapes too
+        cases.append(list(zip(les, values, strict=True)))
+    for buckets in cases:
+        assert repr(histogram_quantiles(qs, buckets)) == repr(_reference_quantiles(qs, buckets)), buckets  # bit for bit

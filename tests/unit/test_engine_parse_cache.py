@@ -52,6 +52,49 @@ def test_changed_values_skip_the_parser_and_match_a_full_parse(path: Path, monke
     assert same(parse_exposition(second, cache), expected)
 
 
+@pytest.mark.parametrize("path", SCRAPES, ids=lambda p: p.name)
+def test_a_scrape_read_against_the_last_fast_one_matches_a_full_parse(path: Path) -> None:
+    """After one values-only scrape, the next is compared line by line with it: one value moved,
+    nothing moved, one line's labels changed, a kept comment changed, a refused value: each gives
+    what the full parser gives, and only a values-only scrape keeps the fast path."""
+    text = path.read_text()
+    cache = ExpositionCache()
+    parse_exposition(text, cache)
+    second = new_values(text)
+    assert same(parse_exposition(second, cache), parse_exposition(second))
+    state = cache.state
+    lines = second.split("\n")
+    at = [i for i, ln in enumerate(lines) if ln and not ln.startswith("#") and " " in ln]
+    kept_lines = {index for index, _, _ in state[1]}
+    first = next(i for i in at if i in kept_lines)
+    one = lines.copy()
+    one[first] = one[first].rpartition(" ")[0] + " 12345.5"
+    third = "\n".join(one)
+    got = parse_exposition(third, cache)
+    assert same(got, parse_exposition(third)) and got.memo is not None and cache.state is state
+    assert same(parse_exposition(third, cache), parse_exposition(third)) and cache.state is state  # nothing moved
+    renamed = one.copy()
+    renamed[first] = renamed[first].replace("{", '{zz="1",', 1) if "{" in renamed[first] else "x" + renamed[first]
+    fourth = "\n".join(renamed)
+    assert same(parse_exposition(fourth, cache), parse_exposition(fourth))
+    assert cache.state is not state
+    parse_exposition(third, cache)
+    parse_exposition(third.replace(" 12345.5", " 7.0", 1), cache)  # a values-only baseline again
+    comment = next((i for i, ln in enumerate(one) if ln.startswith("# TYPE ") and i in {c for c, _ in cache.state[3]}), None)
+    if comment is not None:
+        changed = one.copy()
+        changed[comment] = changed[comment].rpartition(" ")[0] + " untyped"
+        text_changed = "\n".join(changed)
+        assert same(parse_exposition(text_changed, cache), parse_exposition(text_changed))
+        parse_exposition(third, cache)
+        parse_exposition(third.replace(" 12345.5", " 7.0", 1), cache)
+    refused = one.copy()
+    refused[first] = refused[first].rpartition(" ")[0] + " 1_0"
+    text_refused = "\n".join(refused)
+    got = parse_exposition(text_refused, cache)
+    assert same(got, parse_exposition(text_refused)) and got.problems
+
+
 def test_a_changed_structure_or_a_bad_value_goes_through_the_full_parser() -> None:
     text = (FIXTURES / "sglang_documented_text0.0.4.prom").read_text()
     cache = ExpositionCache()
@@ -96,6 +139,47 @@ def test_the_structure_memo_gives_what_a_full_read_gives(path: Path) -> None:
     again = parse_exposition(third, cache)
     assert again.memo is first_fast.memo
     assert read_engines(again, dialect) == read_engines(parse_exposition(third), dialect)
+
+
+@pytest.mark.parametrize("path", SCRAPES, ids=lambda p: p.name)
+def test_readings_patched_from_the_last_ones_are_those_of_a_full_read(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When only plain rules (gauges, counters, histograms...) ran again and gave values for the same
+    engines, read_engines patches copies of the last readings instead of building them: each line
+    changed alone, one after the other, must still read as a full parse does, key order included."""
+    from llmdiag.collectors.engine_names import detect_dialect
+    from llmdiag.collectors.engine_parse import read_engines
+
+    text = path.read_text()
+    cache = ExpositionCache()
+    parse_exposition(text, cache)
+    dialect = detect_dialect(parse_exposition(text).names())
+    if cache.state is None or dialect is None:
+        pytest.skip("no structure to reuse or no engine dialect")
+    patched = []
+    real = engine_parse._patched
+
+    def counting(*args: object) -> object:
+        got = real(*args)  # type: ignore[arg-type]
+        patched.append(got is not None)
+        return got
+
+    monkeypatch.setattr(engine_parse, "_patched", counting)
+    lines = new_values(text).split("\n")
+    read_engines(parse_exposition("\n".join(lines), cache), dialect)
+    slots = [index for index, _, _ in cache.state[1]]
+    for step, index in enumerate(slots[:60]):
+        lines[index] = lines[index].rpartition(" ")[0] + f" {step + 0.5!r}"
+        body = "\n".join(lines)
+        fast, full = read_engines(parse_exposition(body, cache), dialect), read_engines(parse_exposition(body), dialect)
+        assert fast == full, lines[index]
+        assert [list(vars_of(r)) for r in fast.engines.values()] == [list(vars_of(r)) for r in full.engines.values()]
+    assert any(patched) or not slots
+
+
+def vars_of(reading: engine_parse.EngineReading) -> list:
+    """Every part of a reading with its keys in order (dataclass == ignores dict order)."""
+    return [(name, list(getattr(reading, name).items())) for name in
+            ("gauges", "labelled_gauges", "counters", "labelled_counters", "histograms", "mean_counters")]
 
 
 def test_a_line_that_becomes_wanted_or_a_changed_type_line_goes_through_the_full_parser(
