@@ -146,4 +146,6 @@ def _interpolate(q: float, bounds: list[float], counts: list[float], total: floa
     in_bucket = counts[index] - below
     if in_bucket <= 0:
         return upper
-    return lower + (upper - lower) * (rank - below) / in_bucket
+    # (rank - below) / in_bucket is at most 1, but the product can round one step past ``upper``
+    # (1.9 * 1.9 / 1.9): a quantile never leaves its bucket.
+    return min(upper, lower + (upper - lower) * (rank - below) / in_bucket)
