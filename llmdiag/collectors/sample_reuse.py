@@ -7,14 +7,18 @@ hundreds of identical ones every tick. A subject's samples are reused when its s
 names, values and value types, in order, are what they were last tick. Labelled
 values are mutable dicts that consumers own, so signals holding one are always built
 anew.
+
+:meth:`SampleReuse.each` goes one signal further: a busy subject (an engine process whose
+CPU time moves every tick) still repeats most of its signals, and each of those keeps last
+tick's Sample; only the ones whose value or type moved are built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
-from llmdiag.model import Sample
+from llmdiag.model import Sample, Scope
 
 __all__ = ["SampleReuse"]
 
@@ -22,11 +26,13 @@ __all__ = ["SampleReuse"]
 class SampleReuse:
     """Per collector: call :meth:`samples` for each subject of a tick, then :meth:`next_tick`."""
 
-    __slots__ = ("_last", "_now")
+    __slots__ = ("_last", "_now", "_last_each", "_now_each")
 
     def __init__(self) -> None:
         self._last: dict[Hashable, tuple[tuple[Any, ...], list[Sample]]] = {}
         self._now: dict[Hashable, tuple[tuple[Any, ...], list[Sample]]] = {}
+        self._last_each: dict[Hashable, dict[str, Sample]] = {}
+        self._now_each: dict[Hashable, dict[str, Sample]] = {}
 
     def samples(self, key: Hashable, signals: Mapping[str, Any], build: Callable[[], list[Sample]]) -> list[Sample]:
         """``build()``, or last tick's list for ``key`` when ``signals`` (and anything else
@@ -40,6 +46,26 @@ class SampleReuse:
         self._now[key] = (fingerprint, made)
         return made
 
+    def each(self, subjects: Sequence[tuple[Scope, str]], signals: Mapping[str, Any]) -> list[Sample]:
+        """``[Sample(scope, subject, name, value) for scope, subject in subjects for name, value in
+        signals.items()]``, where each Sample whose subject, name, value and value type are what
+        they were last tick is last tick's object. A Labelled (dict) value is always built anew."""
+        out: list[Sample] = []
+        for scope, subject in subjects:
+            key = (scope, subject)
+            last = self._last_each.get(key)
+            now: dict[str, Sample] = {}
+            for name, value in signals.items():
+                sample = last.get(name) if last is not None else None
+                if (sample is None or type(sample.value) is not type(value) or sample.value != value
+                        or isinstance(value, dict)):
+                    sample = Sample(scope, subject, name, value)
+                now[name] = sample
+                out.append(sample)
+            self._now_each[key] = now
+        return out
+
     def next_tick(self) -> None:
         """End of a tick: subjects not seen in it are forgotten."""
         self._last, self._now = self._now, {}
+        self._last_each, self._now_each = self._now_each, {}

@@ -417,8 +417,7 @@ class TcpCollector:
             signals = self._signals(subject, values, now)
             subjects = tuple(self._subjects(subject))
             # An idle endpoint's signals repeat tick after tick: its samples are built once.
-            samples.extend(self._reuse.samples((subject, subjects), signals, lambda s=signals, n=subjects: [
-                Sample(scope, name, signal, value) for scope, name in n for signal, value in s.items()]))
+            samples.extend(self._reuse.each(subjects, signals))
         self._reuse.next_tick()
         samples.extend(self._host_samples())
         self._last_ok_ts = now
