@@ -26,13 +26,15 @@ __all__ = ["SampleReuse"]
 class SampleReuse:
     """Per collector: call :meth:`samples` for each subject of a tick, then :meth:`next_tick`."""
 
-    __slots__ = ("_last", "_now", "_last_each", "_now_each")
+    __slots__ = ("_labelled", "_last", "_last_each", "_now", "_now_each")
 
     def __init__(self) -> None:
         self._last: dict[Hashable, tuple[tuple[Any, ...], list[Sample]]] = {}
         self._now: dict[Hashable, tuple[tuple[Any, ...], list[Sample]]] = {}
-        self._last_each: dict[Hashable, dict[str, Sample]] = {}
-        self._now_each: dict[Hashable, dict[str, Sample]] = {}
+        # (scope, subject) -> (names, values, types, Samples) of the last tick, for each().
+        self._last_each: dict[Hashable, tuple[tuple[str, ...], tuple[Any, ...], tuple[type, ...], list[Sample]]] = {}
+        self._now_each: dict[Hashable, tuple[tuple[str, ...], tuple[Any, ...], tuple[type, ...], list[Sample]]] = {}
+        self._labelled: dict[tuple[type, ...], tuple[bool, ...]] = {}  # value types -> which are dicts
 
     def samples(self, key: Hashable, signals: Mapping[str, Any], build: Callable[[], list[Sample]]) -> list[Sample]:
         """``build()``, or last tick's list for ``key`` when ``signals`` (and anything else
@@ -50,19 +52,32 @@ class SampleReuse:
         """``[Sample(scope, subject, name, value) for scope, subject in subjects for name, value in
         signals.items()]``, where each Sample whose subject, name, value and value type are what
         they were last tick is last tick's object. A Labelled (dict) value is always built anew."""
+        names = tuple(signals)
+        values = tuple(signals.values())
+        types = tuple(map(type, values))
+        labelled = self._labelled.get(types)
+        if labelled is None:
+            if len(self._labelled) > 1024:
+                self._labelled.clear()  # bounded: the shapes a collector emits are few
+            labelled = self._labelled[types] = tuple(issubclass(t, dict) for t in types)
         out: list[Sample] = []
         for scope, subject in subjects:
             key = (scope, subject)
             last = self._last_each.get(key)
-            now: dict[str, Sample] = {}
-            for name, value in signals.items():
-                sample = last.get(name) if last is not None else None
-                if (sample is None or type(sample.value) is not type(value) or sample.value != value
-                        or isinstance(value, dict)):
-                    sample = Sample(scope, subject, name, value)
-                now[name] = sample
-                out.append(sample)
-            self._now_each[key] = now
+            if last is not None and last[0] == names and last[2] == types and last[1] == values and True not in labelled:
+                made = last[3]  # the whole subject repeats (tuples compare in C)
+            elif last is not None and last[0] == names:
+                # Same signals, some values moved: keep the Samples of the ones that did not.
+                old_values, old_types, old = last[1], last[2], last[3]
+                made = [
+                    old[i] if (types[i] is old_types[i] and not labelled[i] and old_values[i] == value)
+                    else Sample(scope, subject, name, value)
+                    for i, (name, value) in enumerate(zip(names, values))
+                ]
+            else:
+                made = [Sample(scope, subject, name, value) for name, value in zip(names, values)]
+            self._now_each[key] = (names, values, types, made)
+            out.extend(made)
         return out
 
     def next_tick(self) -> None:

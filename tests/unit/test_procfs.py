@@ -246,7 +246,7 @@ def test_kept_descriptors_on_the_live_proc_read_what_paths_read_and_an_exit_is_g
         for now in (1.0, 2.0, 3.0):  # the first tick opens, the next ones pread the kept descriptors
             got = snapshot(kept.collect(now)).backends["c"]
             assert got == snapshot(_by_path([backend("c", child.pid)]).collect(now)).backends["c"]
-        assert {"stat", "io", "status", "fd"} <= {k[1] for k in kept._kept._fds if isinstance(k, tuple)}
+        assert {"stat", "io", "statm", "fd"} <= {k[1] for k in kept._kept._fds if isinstance(k, tuple)}
         assert got["open_fds"] >= 5 + 3 and got["threads_dstate"] == 0
     finally:
         _stop(child)  # reaped: the kept descriptors now fail, and the path is gone
@@ -266,7 +266,7 @@ def test_a_kept_descriptor_of_an_exited_process_never_reads_a_new_process_with_i
         # The pid taken again by another process, as the collector sees it: the backend's pid
         # is `new.pid`, and the descriptors kept for it are the exited process's.
         assert c._kept is not None
-        for name in ("stat", "io", "status", "fd"):
+        for name in ("stat", "io", "statm", "fd"):
             c._kept._fds[(new.pid, name)] = c._kept._fds.pop((old.pid, name))
         c.set_backends([backend("x", new.pid)])
         got = snapshot(c.collect(2.0)).backends["x"]
