@@ -9,10 +9,10 @@ Per backend with a pid (``Sample(Scope.BACKEND, backend.name, ...)``):
 ``threads_dstate``       threads in state ``D`` among /proc/PID/task/*/stat
 ``major_faults_total``   /proc/PID/stat ``majflt``
 ``cpu_seconds_total``    /proc/PID/stat ``utime + stime`` / CLK_TCK
-``rss_bytes``            /proc/PID/status ``VmRSS``
+``rss_bytes``            /proc/PID/status ``VmRSS`` (live kernel: statm resident pages, the same counters)
 ``mapped_file_bytes``    /proc/PID/smaps_rollup ``Rss - Anonymous`` (file-backed resident pages)
 ``swap_bytes``           /proc/PID/smaps_rollup ``Swap``
-``open_fds``             entries of /proc/PID/fd
+``open_fds``             entries of /proc/PID/fd (Linux 6.2+: the directory's ``st_size``, the same count)
 ====================== ============================================================
 
 Host (``Scope.HOST``): ``psi_cpu_some_avg10``, ``psi_io_some_avg10``,
@@ -35,6 +35,14 @@ Two reads run on a slower cadence (``[proc]``): the D-state thread scan every
 between, their signals repeat the last reading of the same pid, and so do
 the malformed-file reasons they found; a new pid (an engine restart) is read
 at once.
+
+On the live kernel (``proc_root`` a procfs mount) the files read every tick
+stay open and are re-read with one ``pread`` each (:mod:`procfd`: a kept
+descriptor of an exited process fails, and the file is then opened by path as
+before, which finds a reused pid's new process or none); the fd count is one
+``fstat``; a process with one thread has its D state from its own stat line
+instead of a listing of /proc/PID/task. A recorded tree is read by path, file by
+file, as it always was.
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ class Malformed(ValueError):
 
 
 _read = read_path  # a whole (small) file by path; FileNotFoundError/ProcessLookupError pass through
+_CHUNK = 65536  # one pread of this size returns a whole stat, io or statm
 
 
 def parse_task_state(stat: bytes) -> str:
@@ -469,7 +478,8 @@ class ProcCollector:
             fd = kept.get(key)
             if fd is not None:
                 try:
-                    return pread_all(fd)
+                    data = os.pread(fd, _CHUNK, 0)  # pread_all's first read, inline: this runs 50 times a tick
+                    return data if len(data) < _CHUNK else pread_all(fd)
                 except OSError:
                     kept.drop(key)
             try:
