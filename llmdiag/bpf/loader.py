@@ -282,6 +282,8 @@ class Program:
         # Map name -> its batch reader; None once the kernel refused batches for that map. The
         # readers' buffers are shared, so reads take the lock (reads used to be safe from any thread).
         self._readers: dict[str, BatchReader | None] = {}
+        # map name -> key bytes -> (value bytes, plain key, plain value) of its last shared read.
+        self._plain: dict[str, dict[bytes, tuple[bytes, Any, Any]]] = {}
         self._read_lock = threading.Lock()
         atexit.register(self.close)
 
@@ -476,13 +478,30 @@ class Program:
             raw, self._readers[name] = lookup_all(table, reader, delete=delete)
         return raw
 
-    def read_hash(self, name: str, clear: bool = False) -> list[tuple[Any, Any]]:
+    def read_hash(self, name: str, clear: bool = False, shared: bool = False) -> list[tuple[Any, Any]]:
         """All entries of a hash map as ``(key, value)`` pairs of plain Python data
-        (see :func:`plain`). Cumulative by default; ``clear=True`` deletes what was read."""
+        (see :func:`plain`). Cumulative by default; ``clear=True`` deletes what was read.
+
+        ``shared=True``: an entry whose key and value bytes are what they were at this map's
+        last shared read gives that read's plain objects again instead of converting anew
+        (most entries of a cumulative map repeat between ticks). The caller must not change them."""
         table = self.table(name)
         raw = self._read_all(name, delete=clear)
         key_plain, value_plain = converter(table.Key), converter(table.Leaf)
-        return [(key_plain(k), value_plain(v)) for k, v in raw]
+        if not shared:
+            return [(key_plain(k), value_plain(v)) for k, v in raw]
+        last = self._plain.get(name, {})
+        now: dict[bytes, tuple[bytes, Any, Any]] = {}
+        out = []
+        for k, v in raw:
+            key_bytes, value_bytes = bytes(k), bytes(v)
+            seen = last.get(key_bytes)
+            if seen is None or seen[0] != value_bytes:
+                seen = (value_bytes, key_plain(k), value_plain(v))
+            now[key_bytes] = seen
+            out.append((seen[1], seen[2]))
+        self._plain[name] = now
+        return out
 
     def read_array(self, name: str) -> list[int]:
         """An array of integers as a list (per-CPU arrays are summed over CPUs)."""

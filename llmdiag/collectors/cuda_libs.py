@@ -10,8 +10,10 @@ Three small readers for the CUDA allocation tracer, each on an overridable
   of that file and returns the names of the functions it defines, so the
   tracer attaches only to entry points the installed driver has
   (``cuMemAllocAsync`` arrived in CUDA 11.2, ``cuMemCreate`` in 10.2);
-* :func:`descendants` walks ``/proc/*/stat`` parent links, because engines
-  allocate GPU memory in child processes.
+* :func:`descendants` finds the processes under the engines' pids, because
+  engines allocate GPU memory in child processes: down the kernel's
+  ``/proc/PID/task/TID/children`` lists where it has them, else (or when that
+  would read more files) by walking ``/proc/*/stat`` parent links.
 
 Processes vanish mid-read: that is "gone" (``None`` or absent), not an error.
 """
@@ -162,36 +164,106 @@ def _vsize_of(stat_text: str) -> int | None:
 def descendants(roots: Iterable[int], proc_root: str | Path = "/proc", sizes: dict[int, int] | None = None) -> dict[int, int]:
     """Every live process under each root pid (the roots included): ``{tgid: root}``.
 
-    A root that is gone is left out. One pass over ``/proc/*/stat``; a process that
-    exits during the pass is skipped. ``sizes``, when given, receives each process's
-    virtual memory size (``vsize``, read in the same pass).
+    A root that is gone is left out; a process that exits during the search is skipped.
+    ``sizes``, when given, receives the virtual memory size (``vsize``) of each process
+    returned (and, after a walk, of every other process read).
+
+    Two ways, the same answer: down the ``children`` files of each process's threads
+    (``CONFIG_PROC_CHILDREN``; a process's children are the processes whose parent, the
+    ``ppid`` of their stat, is one of its threads), reading the tree's own files only; or
+    one pass over every ``/proc/*/stat``. The first is taken when the kernel has the files
+    and gives up for the second as soon as it has read as many files as the pass would
+    (engines with hundreds of threads); a recorded tree without them is always walked.
     """
-    root_set = set(roots)
-    proc = Path(proc_root)
-    parents: dict[int, int] = {}
+    root_set = sorted(set(roots))
+    proc = str(proc_root)
     try:
-        entries = list(os.scandir(proc))
+        names = [n for n in os.listdir(proc) if n.isdigit()]
     except OSError:
         return {}
-    for entry in entries:
-        if not entry.name.isdigit():
+    if root_set:
+        tree = _down_children(root_set, proc, len(names), sizes)
+        if tree is not None:
+            return tree
+    return _walk(root_set, proc, names, sizes)
+
+
+def _stat_of(proc: str, pid: int | str) -> bytes | None:
+    try:
+        return _read_proc(f"{proc}/{pid}/stat")
+    except OSError:
+        return None
+
+
+def _down_children(roots: list[int], proc: str, budget: int, sizes: dict[int, int] | None) -> dict[int, int] | None:
+    """:func:`descendants` by the ``children`` files, or ``None``: no such files (old kernel,
+    recorded tree), or more files to read than ``budget`` (the stat files a walk reads)."""
+    owner: dict[int, int] = {}
+    reads = 0
+    for root in roots:
+        stack = [root]
+        while stack:
+            pid = stack.pop()
+            if pid in owner:
+                continue
+            stat = _stat_of(proc, pid)
+            reads += 1
+            if stat is None:
+                continue  # gone (a root), or exited since its parent listed it
+            text = stat.decode("utf-8", "replace")
+            if _parent_of(text) is None:
+                return None  # not a stat line the walk would use: let the walk judge it
+            try:
+                tids = os.listdir(f"{proc}/{pid}/task")
+            except OSError:
+                if os.path.exists(f"{proc}/{pid}/stat"):
+                    return None  # a stat without task/: a recorded tree
+                continue  # exited between the two reads
+            reads += len(tids)
+            if reads > budget:
+                return None
+            children: list[int] = []
+            for tid in tids:
+                try:
+                    listed = _read_proc(f"{proc}/{pid}/task/{tid}/children")
+                except FileNotFoundError:
+                    if os.path.isdir(f"{proc}/{pid}/task/{tid}"):
+                        return None  # the thread is there, its children file is not: no CONFIG_PROC_CHILDREN
+                    continue  # the thread exited
+                except OSError:
+                    continue
+                children.extend(int(c) for c in listed.split())
+            owner[pid] = root
+            if sizes is not None:
+                vsize = _vsize_of(text)
+                if vsize is not None:
+                    sizes[pid] = vsize
+            # Reversed, so the stack pops them in the kernel's order (the walk's order does not matter:
+            # callers sort, and the mapping is the same).
+            stack.extend(reversed(children))
+    return owner
+
+
+def _walk(roots: list[int], proc: str, names: list[str], sizes: dict[int, int] | None) -> dict[int, int]:
+    """:func:`descendants` by one pass over every process's stat (parent links)."""
+    parents: dict[int, int] = {}
+    for name in names:
+        stat = _stat_of(proc, name)
+        if stat is None:
             continue
-        try:
-            text = _read_proc(os.path.join(str(proc), entry.name, "stat")).decode("utf-8", "replace")
-        except OSError:
-            continue
+        text = stat.decode("utf-8", "replace")
         parent = _parent_of(text)
         if parent is not None:
-            parents[int(entry.name)] = parent
+            parents[int(name)] = parent
         if sizes is not None:
             vsize = _vsize_of(text)
             if vsize is not None:
-                sizes[int(entry.name)] = vsize
+                sizes[int(name)] = vsize
     children: dict[int, list[int]] = {}
     for pid, parent in parents.items():
         children.setdefault(parent, []).append(pid)
     owner: dict[int, int] = {}
-    for root in sorted(root_set):
+    for root in roots:
         if root not in parents:
             continue  # gone
         stack = [root]

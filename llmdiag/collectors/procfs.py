@@ -9,10 +9,10 @@ Per backend with a pid (``Sample(Scope.BACKEND, backend.name, ...)``):
 ``threads_dstate``       threads in state ``D`` among /proc/PID/task/*/stat
 ``major_faults_total``   /proc/PID/stat ``majflt``
 ``cpu_seconds_total``    /proc/PID/stat ``utime + stime`` / CLK_TCK
-``rss_bytes``            /proc/PID/status ``VmRSS``
+``rss_bytes``            /proc/PID/status ``VmRSS`` (live kernel: statm resident pages, the same counters)
 ``mapped_file_bytes``    /proc/PID/smaps_rollup ``Rss - Anonymous`` (file-backed resident pages)
 ``swap_bytes``           /proc/PID/smaps_rollup ``Swap``
-``open_fds``             entries of /proc/PID/fd
+``open_fds``             entries of /proc/PID/fd (Linux 6.2+: the directory's ``st_size``, the same count)
 ====================== ============================================================
 
 Host (``Scope.HOST``): ``psi_cpu_some_avg10``, ``psi_io_some_avg10``,
@@ -35,6 +35,14 @@ Two reads run on a slower cadence (``[proc]``): the D-state thread scan every
 between, their signals repeat the last reading of the same pid, and so do
 the malformed-file reasons they found; a new pid (an engine restart) is read
 at once.
+
+On the live kernel (``proc_root`` a procfs mount) the files read every tick
+stay open and are re-read with one ``pread`` each (:mod:`procfd`: a kept
+descriptor of an exited process fails, and the file is then opened by path as
+before, which finds a reused pid's new process or none); the fd count is one
+``fstat``; a process with one thread has its D state from its own stat line
+instead of a listing of /proc/PID/task. A recorded tree is read by path, file by
+file, as it always was.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from llmdiag.collectors.procfd import KeptFiles, is_procfs, pread_all, read_path
 from llmdiag.collectors.sample_reuse import SampleReuse
 from llmdiag.config import Config
 from llmdiag.model import Backend, CollectorState, CollectorStatus, Sample, Scope
@@ -71,19 +80,8 @@ class Malformed(ValueError):
     """A /proc file whose content we cannot parse."""
 
 
-def _read(path: str) -> bytes:
-    """Read a whole (small) /proc file with one syscall pair; ``FileNotFoundError``/``ProcessLookupError`` pass through."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        chunks = []
-        while True:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+_read = read_path  # a whole (small) file by path; FileNotFoundError/ProcessLookupError pass through
+_CHUNK = 65536  # one pread of this size returns a whole stat, io or statm
 
 
 def parse_task_state(stat: bytes) -> str:
@@ -141,6 +139,36 @@ def parse_sockstat(text: bytes) -> dict[str, int]:
     raise Malformed("no TCP: line")
 
 
+def _kib_field(text: bytes, name: bytes) -> int | None:
+    """``_kib_fields(text, {name}).get(name)`` without splitting every line: /proc/PID/status
+    has some 55 lines and one is wanted. The same result, the same error on a bad line:
+    the lines that start with ``name:`` are found by search (the last one wins, the first
+    bad one raises). Text with a carriage return (never the kernel's) takes the plain path,
+    since ``splitlines`` also breaks lines there."""
+    if b"\r" in text:
+        return _kib_fields(text, {name}).get(name)
+    head = name + b":"
+    needle = b"\n" + head
+    value: int | None = None
+    if text.startswith(head):
+        start = 0
+    else:
+        at = text.find(needle)
+        start = -1 if at < 0 else at + 1
+    while start >= 0:
+        end = text.find(b"\n", start)
+        line = text[start:] if end < 0 else text[start:end]
+        try:
+            value = int(line[len(head):].split()[0]) * 1024
+        except (IndexError, ValueError):
+            raise Malformed(f"bad {name.decode()} line {line!r}") from None
+        if end < 0:
+            break
+        at = text.find(needle, end)
+        start = -1 if at < 0 else at + 1
+    return value
+
+
 def _kib_fields(text: bytes, wanted: set[bytes]) -> dict[bytes, int]:
     """``Name:   1234 kB`` lines (status, smaps_rollup) -> bytes for the wanted names."""
     out: dict[bytes, int] = {}
@@ -187,12 +215,20 @@ class ProcCollector:
         self._warned: set[str] = set()
         self._last_ok_ts: float | None = None
         self._reuse = SampleReuse()  # an idle process's signals repeat: its samples are built once
+        # On a real procfs the files read every tick stay open and are re-read with pread
+        # (see procfd): keys are (pid, file name) and host paths. None on a recorded tree.
+        self._kept: KeptFiles | None = KeptFiles() if is_procfs(self.proc_root) else None
+        # pid -> state letter of its only thread, from this tick's /proc/PID/stat (see _dstate).
+        self._single_thread: dict[int, str] = {}
+        self._page_size = os.sysconf("SC_PAGE_SIZE")
 
     def set_backends(self, backends: Iterable[Backend]) -> None:
         self.backends = list(backends)
 
     def close(self) -> None:
-        """Nothing to release: every file is opened and closed within a tick."""
+        """Close the kept descriptors (a later collect opens them again)."""
+        if self._kept is not None:
+            self._kept.close_all()
 
     # -- collection -------------------------------------------------------------
     def collect(self, now: float) -> list[Sample]:
@@ -202,6 +238,9 @@ class ProcCollector:
         pids = {b.pid for b in self.backends if b.pid is not None}
         for key in [k for k in self._slow if k[0] not in pids]:
             del self._slow[key]  # a restarted or removed backend's old pid
+        if self._kept is not None:
+            self._kept.drop_where(lambda k: not isinstance(k, tuple) or k[0] in pids)
+        self._single_thread = {}
         nothing: list[str] = []
         host = self.host_signals()
         if not host:
@@ -219,11 +258,12 @@ class ProcCollector:
                 signals = self.process_signals(backend.pid)
             except ProcessGone:
                 self.gone[backend.name] = backend.pid
+                if self._kept is not None:
+                    self._kept.drop_where(lambda k, pid=backend.pid: not isinstance(k, tuple) or k[0] != pid)
                 continue
             if "io_read_bytes_total" not in signals and not self._malformed_in(backend.pid):
                 unreadable.append(f"{backend.name} (pid {backend.pid})")
-            samples.extend(self._reuse.samples(backend.name, signals, lambda n=backend.name, s=signals: [
-                Sample(Scope.BACKEND, n, name, value) for name, value in s.items()]))
+            samples.extend(self._reuse.each(((Scope.BACKEND, backend.name),), signals))
         if unreadable:
             nothing.append(f"cannot read /proc/PID/io of {', '.join(unreadable)}: IO signals absent "
                            "(another user's process needs root or CAP_SYS_PTRACE)")
@@ -264,7 +304,7 @@ class ProcCollector:
         base = os.path.join(self.proc_root, str(pid))
         out: dict[str, Any] = {}
         # stat first: if the process is not there at all, it is gone, full stop.
-        stat = self._proc_file(base, "stat")
+        stat = self._proc_file(base, "stat", pid)
         if stat is None:
             raise ProcessGone(pid)
         try:
@@ -272,10 +312,12 @@ class ProcCollector:
             # After the last ')': [0]=state(3) ... [9]=majflt(12) [11]=utime(14) [12]=stime(15)
             out["major_faults_total"] = int(fields[9])
             out["cpu_seconds_total"] = (int(fields[11]) + int(fields[12])) / self.clock_ticks
+            if self._kept is not None and len(fields) > 17 and fields[17] == b"1":
+                self._single_thread[pid] = chr(fields[0][0])  # [17]=num_threads(20)
         except (Malformed, IndexError, ValueError) as exc:
             self._note_malformed(f"{base}/stat", str(exc))
 
-        io = self._proc_file(base, "io")  # root-only for other users' processes: absent, not an error
+        io = self._proc_file(base, "io", pid)  # root-only for other users' processes: absent, not an error
         if io is not None:
             for line in io.splitlines():
                 key, _, value = line.partition(b":")
@@ -285,19 +327,23 @@ class ProcCollector:
                     except ValueError:
                         self._note_malformed(f"{base}/io", f"bad {key.decode()} value {value.strip()[:40]!r}")
 
-        status = self._proc_file(base, "status")
-        if status is not None:
-            try:
-                rss = _kib_fields(status, {b"VmRSS"}).get(b"VmRSS")
-                if rss is not None:  # kernel threads and zombies have no VmRSS
-                    out["rss_bytes"] = rss
-            except Malformed as exc:
-                self._note_malformed(f"{base}/status", str(exc))
+        if self._kept is not None:
+            self._rss_from_statm(pid, base, out)
+        else:
+            status = self._proc_file(base, "status", pid)
+            if status is not None:
+                try:
+                    rss = _kib_field(status, b"VmRSS")
+                    if rss is not None:  # kernel threads and zombies have no VmRSS
+                        out["rss_bytes"] = rss
+                except Malformed as exc:
+                    self._note_malformed(f"{base}/status", str(exc))
 
         out.update(self._every(pid, "smaps_rollup", self.smaps_rollup_every_ticks, lambda: self._rollup(base)))
 
+        counted = self._kept_fd_count(pid, base)
         try:
-            out["open_fds"] = len(os.listdir(os.path.join(base, "fd")))
+            out["open_fds"] = counted if counted else len(os.listdir(os.path.join(base, "fd")))
         except (FileNotFoundError, ProcessLookupError):
             if not os.path.exists(base):
                 raise ProcessGone(pid) from None
@@ -305,8 +351,43 @@ class ProcCollector:
             pass  # EACCES without CAP_SYS_PTRACE: absent
 
         if self.dstate_threads:
-            out.update(self._every(pid, "dstate", self.dstate_every_ticks, lambda: self._dstate(base)))
+            out.update(self._every(pid, "dstate", self.dstate_every_ticks, lambda: self._dstate(base, pid)))
         return out
+
+    def _rss_from_statm(self, pid: int, base: str, out: dict[str, Any]) -> None:
+        """``rss_bytes`` from /proc/PID/statm on the live kernel: its resident pages are the
+        counters VmRSS of /proc/PID/status adds up (anon + file + shmem pages), and statm costs
+        the kernel a fifth of status (some 55 formatted lines). A task without an mm (a kernel
+        thread, a zombie) has no VmRSS line and an all-zero statm (size 0): absent either way."""
+        statm = self._proc_file(base, "statm", pid)
+        if statm is None:
+            return
+        fields = statm.split()
+        try:
+            size, resident = int(fields[0]), int(fields[1])
+        except (IndexError, ValueError):
+            self._note_malformed(f"{base}/statm", f"bad statm {statm[:80]!r}")
+            return
+        if size:
+            out["rss_bytes"] = resident * self._page_size
+
+    def _kept_fd_count(self, pid: int, base: str) -> int:
+        """Open descriptors of ``pid`` from ``st_size`` of its kept /proc/PID/fd (Linux 6.2+
+        counts them there: one fstat instead of listing the directory), or 0 when that does not
+        tell (no kept descriptors, an older kernel, no fds at all, any error): then the caller
+        lists the directory as before. Opening the directory for reading is checked against the
+        same permission as listing it, so a process we may not list is never counted."""
+        if self._kept is None:
+            return 0
+        key = (pid, "fd")
+        fd = self._kept.get(key)
+        try:
+            if fd is None:
+                fd = self._kept.open(key, os.path.join(base, "fd"), os.O_RDONLY | os.O_DIRECTORY)
+            return os.fstat(fd).st_size
+        except OSError:
+            self._kept.drop(key)
+            return 0
 
     def _every(self, pid: int, what: str, every: int, read: Any) -> dict[str, Any]:
         """``read()``'s signals, read on the first tick of ``pid`` and then every ``every`` ticks;
@@ -338,7 +419,13 @@ class ProcCollector:
                 self._note_malformed(f"{base}/smaps_rollup", str(exc))
         return out
 
-    def _dstate(self, base: str) -> dict[str, Any]:
+    def _dstate(self, base: str, pid: int) -> dict[str, Any]:
+        # A process with one thread (num_threads in this tick's /proc/PID/stat, on a real procfs):
+        # that thread is the one /proc/PID/stat describes, so its state is already known and
+        # /proc/PID/task need not be listed. A recorded tree is always scanned.
+        state = self._single_thread.get(pid)
+        if state is not None:
+            return {"threads_dstate": int(state == "D")}
         dstate = self._dstate_count(base)
         return {} if dstate is None else {"threads_dstate": dstate}
 
@@ -379,25 +466,47 @@ class ProcCollector:
             os.close(task_fd)
 
     # -- file helpers -------------------------------------------------------------
-    def _proc_file(self, base: str, name: str) -> bytes | None:
-        """A per-process file, or None when it is absent or unreadable. ESRCH mid-read means gone."""
+    def _proc_file(self, base: str, name: str, pid: int | None = None) -> bytes | None:
+        """A per-process file, or None when it is absent or unreadable. ESRCH mid-read means gone.
+
+        With ``pid`` on a real procfs the descriptor is kept (see procfd); a kept descriptor
+        that fails (its process exited, the pid may be someone else's now) is dropped and the
+        file is opened by path again, so every failure is judged as without one."""
+        kept = self._kept
+        if kept is not None and pid is not None:
+            key = (pid, name)
+            fd = kept.get(key)
+            if fd is not None:
+                try:
+                    data = os.pread(fd, _CHUNK, 0)  # pread_all's first read, inline: this runs 50 times a tick
+                    return data if len(data) < _CHUNK else pread_all(fd)
+                except OSError:
+                    kept.drop(key)
+            try:
+                return pread_all(kept.open(key, os.path.join(base, name)))
+            except OSError as exc:
+                kept.drop(key)
+                return self._unreadable(base, exc)
         try:
             return _read(os.path.join(base, name))
-        except FileNotFoundError:
+        except OSError as exc:
+            return self._unreadable(base, exc)
+
+    @staticmethod
+    def _unreadable(base: str, exc: OSError) -> None:
+        """What a failed read of a file under ``base`` means: gone (raises), else absent (None)."""
+        if isinstance(exc, FileNotFoundError):
             if not os.path.exists(base):
                 raise ProcessGone(base) from None
             return None  # an older kernel without this file
-        except ProcessLookupError:
+        if isinstance(exc, ProcessLookupError) or exc.errno == errno.ESRCH:
             raise ProcessGone(base) from None
-        except OSError as exc:
-            if exc.errno == errno.ESRCH:
-                raise ProcessGone(base) from None
-            return None  # EACCES/EPERM: not ours to read
+        return None  # EACCES/EPERM: not ours to read
 
     def _parsed(self, rel: str, parse: Any) -> Any:
         path = os.path.join(self.proc_root, rel)
         try:
-            text = _read(path)
+            text = self._host_file(path)
         except OSError:
             # Missing (no conntrack module, PSI compiled out) or EOPNOTSUPP
             # (kernel booted with psi=0): the signal is absent.
@@ -407,6 +516,24 @@ class ProcCollector:
         except Malformed as exc:
             self._note_malformed(path, str(exc))
             return None
+
+    def _host_file(self, path: str) -> bytes:
+        """A host file by path, through a kept descriptor on a real procfs (re-opened once
+        when the kept one fails); ``OSError`` as a read by path would raise it."""
+        kept = self._kept
+        if kept is None:
+            return _read(path)
+        fd = kept.get(path)
+        if fd is not None:
+            try:
+                return pread_all(fd)
+            except OSError:
+                kept.drop(path)
+        try:
+            return pread_all(kept.open(path, path))
+        except OSError:
+            kept.drop(path)
+            raise
 
     def _note_malformed(self, path: str, why: str) -> None:
         self._malformed[path] = why

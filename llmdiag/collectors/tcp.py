@@ -207,6 +207,9 @@ class TcpCollector:
         self._prev_srtt: dict[tuple[int, str], tuple[int, int]] = {}
         self._last_closes: dict[str, int] | None = None
         self._reuse = SampleReuse()
+        # subject -> (current, oldest) histogram readings of its last window and (total, quantiles):
+        # an idle endpoint's window repeats tick after tick (the readings are shared, not copied).
+        self._window_quantiles: dict[tuple[int, str], tuple[Mapping[int, int], Mapping[int, int], int, Any]] = {}
         # Completed connects in all of ``stats`` at the last two reads (see _connect_hist).
         self._connects_seen: deque[int] = deque(maxlen=2)
         self.hist_reads_total = 0  # connect_hist map reads (the tests read it)
@@ -330,7 +333,7 @@ class TcpCollector:
     def _read_stats(self) -> dict[tuple[int, str], dict[str, int]]:
         assert self.program is not None
         merged: dict[tuple[int, str], dict[str, int]] = {}
-        for key, value in self.program.read_hash("stats"):
+        for key, value in self.program.read_hash("stats", shared=True):
             subject = self._subject_key(key)
             slot = merged.setdefault(subject, dict.fromkeys(value, 0))
             for field, number in value.items():
@@ -340,7 +343,7 @@ class TcpCollector:
     def _read_hist(self) -> dict[tuple[int, str], dict[int, int]]:
         assert self.program is not None
         out: dict[tuple[int, str], dict[int, int]] = {}
-        for key, count in self.program.read_hash("connect_hist"):
+        for key, count in self.program.read_hash("connect_hist", shared=True):
             buckets = out.setdefault(self._subject_key(key["ep"]), {})
             buckets[key["slot"]] = buckets.get(key["slot"], 0) + count
         return out
@@ -371,8 +374,12 @@ class TcpCollector:
     def _connect_distribution(self, subject: tuple[int, str], now: float, stats: Mapping[str, int]) -> Distribution:
         current = self._hist_history[-1][1].get(subject, {})
         oldest = self._hist_history[0][1].get(subject, {})
-        window = {slot: count - oldest.get(slot, 0) for slot, count in current.items() if count - oldest.get(slot, 0) > 0}
-        total = sum(window.values())
+        cached = self._window_quantiles.get(subject)
+        if cached is not None and cached[0] == current and cached[1] == oldest:
+            total, quantiles = cached[2], cached[3]  # the same window as last tick: the same quantiles
+        else:
+            total, quantiles = self._window(current, oldest)
+            self._window_quantiles[subject] = (current, oldest, total, quantiles)
         connects, connect_ns = stats.get("connects", 0), stats.get("connect_ns", 0)
         prev = self._prev_connect.get(subject, (0, 0))
         self._prev_connect[subject] = (connects, connect_ns)
@@ -382,15 +389,22 @@ class TcpCollector:
             self._ewma[subject] = mean if old is None else _EWMA_ALPHA * mean + (1 - _EWMA_ALPHA) * old
         if not total:
             return Distribution(None, None, self._ewma.get(subject), 0)
+        return Distribution(*quantiles, self._ewma.get(subject), total)
+
+    @staticmethod
+    def _window(current: Mapping[int, int], oldest: Mapping[int, int]) -> tuple[int, Any]:
+        """Connects in the window (``current - oldest`` per slot) and their p50/p99 (None if none)."""
+        window = {slot: count - oldest.get(slot, 0) for slot, count in current.items() if count - oldest.get(slot, 0) > 0}
+        total = sum(window.values())
+        if not total:
+            return total, None
         buckets: list[tuple[float, float]] = []
         running = 0
         for slot in sorted(window):
             running += window[slot]
             buckets.append((slot_bounds_us(slot)[1] / 1e6, float(running)))
         buckets.append((math.inf, float(running)))
-        return Distribution(
-            *histogram_quantiles((0.5, 0.99), buckets), self._ewma.get(subject), total
-        )
+        return total, histogram_quantiles((0.5, 0.99), buckets)
 
     def collect(self, now: float) -> list[Sample]:
         if self.program is None:
@@ -417,8 +431,7 @@ class TcpCollector:
             signals = self._signals(subject, values, now)
             subjects = tuple(self._subjects(subject))
             # An idle endpoint's signals repeat tick after tick: its samples are built once.
-            samples.extend(self._reuse.samples((subject, subjects), signals, lambda s=signals, n=subjects: [
-                Sample(scope, name, signal, value) for scope, name in n for signal, value in s.items()]))
+            samples.extend(self._reuse.each(subjects, signals))
         self._reuse.next_tick()
         samples.extend(self._host_samples())
         self._last_ok_ts = now

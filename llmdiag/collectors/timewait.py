@@ -56,6 +56,7 @@ from typing import Any
 
 from llmdiag.collectors import procnet
 from llmdiag.collectors.own_sockets import OWN_PORTS
+from llmdiag.collectors.procfd import KeptFiles, is_procfs, pread_all
 from llmdiag.collectors.sample_reuse import SampleReuse
 from llmdiag.collectors.sockdiag import SockDiagError, dump_tcp
 from llmdiag.config.tcp import TimewaitConfig
@@ -143,6 +144,11 @@ class TimewaitCollector:
         self._dump: tuple[int, int | None, Mapping[str, object]] | None = None
         self.dumps_total = 0  # sock_diag dumps sent (the tests and the benchmark read it)
         self._reuse = SampleReuse()
+        # On a real procfs the four files read every tick stay open (see procfd), and a file
+        # whose text repeats is not parsed again: rel path -> (text, parsed) of the last read.
+        self._kept: KeptFiles | None = KeptFiles() if is_procfs(str(self.proc_root)) else None
+        self._parsed: dict[str, tuple[str, Any]] = {}
+        self._usable: tuple[procnet.PortRange, frozenset[int], int] | None = None
 
     def set_entry_source(self, source: ActiveCloseSource | None) -> None:
         self.entry_source = source
@@ -161,7 +167,7 @@ class TimewaitCollector:
         samples: list[Sample] = []
         host_tw: int | None = None
         try:
-            tcp = procnet.read_sockstat(self.proc_root)["TCP"]
+            tcp = self._read("net/sockstat", procnet.read_sockstat, procnet.parse_sockstat)["TCP"]
         except procnet.ProcNetError as exc:
             self._problems.append(str(exc))
         else:
@@ -211,22 +217,58 @@ class TimewaitCollector:
 
     def _headroom(self) -> tuple[procnet.PortRange | None, int | None, int | None]:
         try:
-            port_range = procnet.read_port_range(self.proc_root)
+            port_range = self._read("sys/net/ipv4/ip_local_port_range", procnet.read_port_range,
+                                    procnet.parse_port_range)
         except procnet.ProcNetError as exc:
             self._problems.append(str(exc))
             return None, None, None
         try:
-            reserved = procnet.read_reserved_ports(self.proc_root)
+            reserved = self._read("sys/net/ipv4/ip_local_reserved_ports", procnet.read_reserved_ports,
+                                  procnet.parse_reserved_ports)
         except procnet.ProcNetError as exc:
             self._problems.append(str(exc))
             reserved = frozenset()
-        usable = port_range.size - sum(1 for p in reserved if p in port_range)
+        if self._usable is None or self._usable[:2] != (port_range, reserved):
+            self._usable = (port_range, reserved, port_range.size - sum(1 for p in reserved if p in port_range))
+        usable = self._usable[2]
         try:
-            reuse: int | None = procnet.read_tw_reuse(self.proc_root)
+            reuse: int | None = self._read("sys/net/ipv4/tcp_tw_reuse", procnet.read_tw_reuse, _parse_tw_reuse)
         except procnet.ProcNetError as exc:
             self._problems.append(str(exc))
             reuse = None
         return port_range, usable, reuse
+
+    def _read(self, rel: str, by_path: Callable[[Path], Any], parse: Callable[[str, str], Any]) -> Any:
+        """``by_path(proc_root)`` (a procnet reader), or on a real procfs the same from a kept
+        descriptor: the same text (ASCII with replacement, newlines as text mode reads them),
+        the same parse and the same ProcNetError messages. A text that repeats last tick's
+        returns last tick's result (the parsers are pure, their results immutable)."""
+        kept = self._kept
+        if kept is None:
+            return by_path(self.proc_root)
+        path = str(self.proc_root / rel)
+        fd = kept.get(rel)
+        data: bytes | None = None
+        if fd is not None:
+            try:
+                data = pread_all(fd)
+            except OSError:
+                kept.drop(rel)
+        if data is None:
+            try:
+                data = pread_all(kept.open(rel, path))
+            except OSError as exc:
+                kept.drop(rel)
+                raise procnet.ProcNetError(f"{path}: {exc.strerror or exc}") from None
+        text = data.decode("ascii", "replace")
+        if "\r" in text:  # read_text's universal newlines (never in the kernel's files)
+            text = text.replace("\r\n", "\n").replace("\r", "\n")
+        last = self._parsed.get(rel)
+        if last is not None and last[0] == text:
+            return last[1]
+        result = parse(text, path)
+        self._parsed[rel] = (text, result)
+        return result
 
     def _bpf_rates(self, now: float) -> dict[str, float] | None:
         """Entries per second per destination from the tcp collector's cumulative
@@ -277,8 +319,7 @@ class TimewaitCollector:
                 if rate > 0:
                     signals["port_exhaustion_eta_seconds"] = available / rate
             # Between dumps most destinations repeat their signals: their samples are built once.
-            samples.extend(self._reuse.samples(dest, signals, lambda d=dest, g=signals: [
-                Sample(Scope.DESTINATION, d, name, value) for name, value in g.items()]))
+            samples.extend(self._reuse.each(((Scope.DESTINATION, dest),), signals))
         self._reuse.next_tick()
         return samples
 
@@ -291,6 +332,16 @@ class TimewaitCollector:
     def close(self) -> None:
         self._history.clear()
         self._dump = None
+        if self._kept is not None:
+            self._kept.close_all()
+
+
+def _parse_tw_reuse(text: str, source: str) -> int:
+    """:func:`procnet.read_tw_reuse` on text already read (the same check and message)."""
+    value = text.strip()
+    if value not in ("0", "1", "2"):
+        raise procnet.ProcNetError(f"{source}: expected 0, 1 or 2, got {value!r}")
+    return int(value)
 
 
 def build_timewait_collector(config: Any, backends: list[Backend]) -> TimewaitCollector:

@@ -148,6 +148,18 @@ def test_update_map_insert_only_overwrite_only_and_full() -> None:
         prog.update_map("transitions", 1, 1)
 
 
+def test_shared_reads_give_what_plain_reads_give_as_entries_change() -> None:
+    prog = Program.load("selftest", {"SELFTEST_PORT": _UNUSED_PORT})
+    try:
+        for step in ({7: 1}, {7: 1, 8: 2}, {7: 3}, {9: 4}):
+            for key, value in step.items():
+                prog.update_map("transitions", key, value)
+            assert prog.read_hash("transitions", shared=True) == prog.read_hash("transitions")
+        assert dict(prog.read_hash("transitions", shared=True)) == {7: 3, 8: 2, 9: 4}
+    finally:
+        prog.close()
+
+
 def test_batch_reads_match_key_by_key_reads_past_the_first_buffer_and_clear() -> None:
     # 1,000 entries: more than the batch reader's first buffer (64), so it grows mid-walk.
     prog = Program.load("selftest", {"SELFTEST_PORT": _UNUSED_PORT, "MAX_TRANSITIONS": 4096})

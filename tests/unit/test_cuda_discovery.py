@@ -3,12 +3,16 @@ process tree: the CUDA tracer's discovery, on recorded files and a compiled stan
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from llmdiag.collectors import cuda_libs
 from llmdiag.collectors.cuda_alloc import PROBES, REQUIRED_SYMBOLS
 from llmdiag.collectors.cuda_libs import (
     ElfError,
@@ -159,3 +163,45 @@ def test_descendants_give_each_process_its_virtual_size(tmp_path: Path) -> None:
     sizes: dict[int, int] = {}
     assert descendants([10], tmp_path, sizes) == {10: 10, 11: 10, 12: 10}
     assert sizes == {10: 1_000_000, 11: 2_500_000}
+
+
+_TREE = """
+import subprocess, sys, threading
+kids = [subprocess.Popen(["sleep", "60"])]
+def from_a_thread():  # a child whose parent is not the main thread: listed in that thread's children file
+    kids.append(subprocess.Popen(["sleep", "60"]))
+t = threading.Thread(target=from_a_thread); t.start(); t.join()
+kids.append(subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+    "g = subprocess.Popen(['sleep', '60']); print(g.pid, flush=True); sys.stdin.read()"],
+    stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True))
+grandchild = kids[-1].stdout.readline().strip()
+print(" ".join(str(k.pid) for k in kids), grandchild, flush=True)
+sys.stdin.read()
+for k in kids:
+    k.kill()
+"""
+
+
+@pytest.mark.skipif(not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(),
+                    reason="no /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN)")
+def test_descendants_down_the_children_files_are_the_walk_on_a_live_tree() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", _TREE], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True,
+                              start_new_session=True)  # its own process group: the whole tree is killed after
+    try:
+        assert parent.stdout is not None
+        pids = {int(p) for p in parent.stdout.readline().split()} | {parent.pid}
+        assert len(pids) == 5
+        names = [n for n in os.listdir("/proc") if n.isdigit()]
+        walked_sizes: dict[int, int] = {}
+        walked = cuda_libs._walk([parent.pid], "/proc", names, walked_sizes)
+        sizes: dict[int, int] = {}
+        down = cuda_libs._down_children([parent.pid], "/proc", 1 << 30, sizes)
+        assert down == walked == {pid: parent.pid for pid in pids}
+        assert set(sizes) == pids and all(sizes[p] > 0 for p in pids)
+        assert descendants([parent.pid]) == walked
+        # More files than the walk would read: it gives up (and descendants() walks instead).
+        assert cuda_libs._down_children([parent.pid], "/proc", 3, None) is None
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+    assert descendants([parent.pid]) == {}  # a root that is gone

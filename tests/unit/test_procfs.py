@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,78 @@ def test_proc_cadence_config_defaults_and_checks() -> None:
         Config.from_toml("[proc]\ndstate_every_ticks = 0\n")
     with pytest.raises(ValueError, match="smaps_every"):
         Config.from_toml("[proc]\nsmaps_every = 3\n")  # unknown keys stay errors
+
+
+_HOLDER = "import os, sys; fds = [os.open('/dev/null', os.O_RDONLY) for _ in range({n})]; print('ready', flush=True); sys.stdin.read()"
+
+
+def _holder(fds: int) -> subprocess.Popen[str]:
+    """A live process blocked on its stdin (so its signals hold still) with ``fds`` extra descriptors open."""
+    child = subprocess.Popen([sys.executable, "-c", _HOLDER.format(n=fds)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    return child
+
+
+def _by_path(backends: list[Backend]) -> ProcCollector:
+    c = ProcCollector(backends)
+    c._kept = None  # what a recorded tree gets: every file opened by path each tick
+    return c
+
+
+def _stop(child: subprocess.Popen[str]) -> None:
+    child.kill()
+    child.wait()
+
+
+def test_kept_descriptors_on_the_live_proc_read_what_paths_read_and_an_exit_is_gone() -> None:
+    assert ProcCollector([], proc_root=RECORDED)._kept is None  # a recorded tree: by path
+    child = _holder(5)
+    try:
+        kept = ProcCollector([backend("c", child.pid)])
+        assert kept._kept is not None
+        for now in (1.0, 2.0, 3.0):  # the first tick opens, the next ones pread the kept descriptors
+            got = snapshot(kept.collect(now)).backends["c"]
+            assert got == snapshot(_by_path([backend("c", child.pid)]).collect(now)).backends["c"]
+        assert {"stat", "io", "statm", "fd"} <= {k[1] for k in kept._kept._fds if isinstance(k, tuple)}
+        assert got["open_fds"] >= 5 + 3 and got["threads_dstate"] == 0
+    finally:
+        _stop(child)  # reaped: the kept descriptors now fail, and the path is gone
+    assert "c" not in snapshot(kept.collect(4.0)).backends and kept.gone == {"c": child.pid}
+    assert not [k for k in kept._kept._fds if isinstance(k, tuple)]
+    assert kept.status().status is CollectorState.OK
+    kept.close()
+    assert len(kept._kept) == 0
+
+
+def test_a_kept_descriptor_of_an_exited_process_never_reads_a_new_process_with_its_pid() -> None:
+    old, new = _holder(0), _holder(9)
+    try:
+        c = ProcCollector([backend("x", old.pid)])
+        c.collect(1.0)
+        _stop(old)
+        # The pid taken again by another process, as the collector sees it: the backend's pid
+        # is `new.pid`, and the descriptors kept for it are the exited process's.
+        assert c._kept is not None
+        for name in ("stat", "io", "statm", "fd"):
+            c._kept._fds[(new.pid, name)] = c._kept._fds.pop((old.pid, name))
+        c.set_backends([backend("x", new.pid)])
+        got = snapshot(c.collect(2.0)).backends["x"]
+        assert got == snapshot(_by_path([backend("x", new.pid)]).collect(2.0)).backends["x"]
+        assert got["open_fds"] >= 9 + 3 and c.gone == {}
+    finally:
+        _stop(new)
+
+
+def test_a_multithreaded_live_process_is_scanned_thread_by_thread() -> None:
+    # More than one thread: its D-state count comes from /proc/PID/task, as by path.
+    c = ProcCollector([backend("me", os.getpid())])
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)
+    worker.start()
+    try:
+        got = snapshot(c.collect(1.0)).backends["me"]
+        assert os.getpid() not in c._single_thread and got["threads_dstate"] >= 0
+    finally:
+        stop.set()
+        worker.join()
