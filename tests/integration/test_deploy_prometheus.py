@@ -120,9 +120,16 @@ def agent(tmp_path_factory):
         auth = {"Authorization": f"Bearer {TOKEN}"}
         deadline = time.monotonic() + 30
         while True:
+            # Connections to the engine that we close first: TIME_WAIT on our side towards it, so the
+            # destination has an entry rate and a port-exhaustion ETA (the agent's own scrapes keep
+            # their connection and leave none).
+            for _ in range(5):
+                with socket.create_connection(("127.0.0.1", engine_port), timeout=2):
+                    pass
             text = wait_http(f"{base}/metrics", 10, auth).decode()
             # the replay reports XID 48 on its second tick
-            if 'stat="p99"' in text and "llmdiag_gpu_xid_errors_total" in text or time.monotonic() > deadline:
+            if ('stat="p99"' in text and "llmdiag_gpu_xid_errors_total" in text
+                    and "llmdiag_destination_port_exhaustion_eta_seconds{" in text) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         yield {"base": base, "port": port, "work": work, "metrics": text, "auth": auth, "engine_url": engine_url}
