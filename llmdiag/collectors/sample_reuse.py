@@ -1,21 +1,18 @@
 """Samples of a subject whose signals repeat, built once: :class:`SampleReuse`.
 
-Samples are frozen, and building one is not free (a frozen dataclass with a check);
+Samples are immutable, and building one is not free (a slots class with a check);
 a collector that reads dozens of idle subjects a tick (endpoints without traffic, an
 engine process that did nothing, a destination whose TIME_WAIT count repeats) built
-hundreds of identical ones every tick. A subject's samples are reused when its signal
-names, values and value types, in order, are what they were last tick. Labelled
-values are mutable dicts that consumers own, so signals holding one are always built
-anew.
-
-:meth:`SampleReuse.each` goes one signal further: a busy subject (an engine process whose
-CPU time moves every tick) still repeats most of its signals, and each of those keeps last
-tick's Sample; only the ones whose value or type moved are built.
+hundreds of identical ones every tick. With :meth:`SampleReuse.each`, each
+signal whose value and value type are what they were last tick keeps last tick's Sample
+(a busy subject, an engine process whose CPU time moves every tick, still repeats most of
+its signals); only the ones that moved are built. Labelled values are mutable dicts that
+consumers own, so signals holding one are always built anew.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from llmdiag.model import Sample, Scope
@@ -24,29 +21,15 @@ __all__ = ["SampleReuse"]
 
 
 class SampleReuse:
-    """Per collector: call :meth:`samples` for each subject of a tick, then :meth:`next_tick`."""
+    """Per collector: call :meth:`each` for the subjects of a tick, then :meth:`next_tick`."""
 
-    __slots__ = ("_labelled", "_last", "_last_each", "_now", "_now_each")
+    __slots__ = ("_labelled", "_last_each", "_now_each")
 
     def __init__(self) -> None:
-        self._last: dict[Hashable, tuple[tuple[Any, ...], list[Sample]]] = {}
-        self._now: dict[Hashable, tuple[tuple[Any, ...], list[Sample]]] = {}
         # (scope, subject) -> (names, values, types, Samples) of the last tick, for each().
         self._last_each: dict[Hashable, tuple[tuple[str, ...], tuple[Any, ...], tuple[type, ...], list[Sample]]] = {}
         self._now_each: dict[Hashable, tuple[tuple[str, ...], tuple[Any, ...], tuple[type, ...], list[Sample]]] = {}
         self._labelled: dict[tuple[type, ...], tuple[bool, ...]] = {}  # value types -> which are dicts
-
-    def samples(self, key: Hashable, signals: Mapping[str, Any], build: Callable[[], list[Sample]]) -> list[Sample]:
-        """``build()``, or last tick's list for ``key`` when ``signals`` (and anything else
-        ``key`` stands for: give every input of ``build`` in it) are the same."""
-        values = tuple(signals.values())
-        if any(isinstance(v, dict) for v in values):
-            return build()  # a Labelled value: the consumer gets its own each tick
-        fingerprint = (tuple(signals), values, tuple(map(type, values)))
-        last = self._last.get(key)
-        made = last[1] if last is not None and last[0] == fingerprint else build()
-        self._now[key] = (fingerprint, made)
-        return made
 
     def each(self, subjects: Sequence[tuple[Scope, str]], signals: Mapping[str, Any]) -> list[Sample]:
         """``[Sample(scope, subject, name, value) for scope, subject in subjects for name, value in
@@ -82,5 +65,4 @@ class SampleReuse:
 
     def next_tick(self) -> None:
         """End of a tick: subjects not seen in it are forgotten."""
-        self._last, self._now = self._now, {}
         self._last_each, self._now_each = self._now_each, {}
