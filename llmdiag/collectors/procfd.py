@@ -98,6 +98,23 @@ class KeptFiles:
         self._fds[key] = fd
         return fd
 
+    def read(self, key: object, path: str) -> bytes:
+        """The whole file ``path`` through the descriptor kept under ``key``: read at offset 0,
+        or, when there is none or it fails (its process exited: the pid may be someone else's
+        now), dropped and ``path`` opened again and kept. ``OSError`` of that open or read passes
+        through (nothing kept), as a read by path would raise it."""
+        fd = self._fds.get(key)
+        if fd is not None:
+            try:
+                return pread_all(fd)
+            except OSError:
+                self.drop(key)
+        try:
+            return pread_all(self.open(key, path))
+        except OSError:
+            self.drop(key)
+            raise
+
     def drop(self, key: object) -> None:
         fd = self._fds.pop(key, None)
         if fd is not None:

@@ -54,7 +54,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from llmdiag.collectors.procfd import KeptFiles, is_procfs, pread_all, read_path
+from llmdiag.collectors.procfd import KeptFiles, is_procfs, read_path
 from llmdiag.collectors.sample_reuse import SampleReuse
 from llmdiag.config import Config
 from llmdiag.model import Backend, CollectorState, CollectorStatus, Sample, Scope
@@ -81,7 +81,6 @@ class Malformed(ValueError):
 
 
 _read = read_path  # a whole (small) file by path; FileNotFoundError/ProcessLookupError pass through
-_CHUNK = 65536  # one pread of this size returns a whole stat, io or statm
 
 
 def parse_task_state(stat: bytes) -> str:
@@ -137,36 +136,6 @@ def parse_sockstat(text: bytes) -> dict[str, int]:
             except ValueError:
                 raise Malformed(f"bad number in {line!r}") from None
     raise Malformed("no TCP: line")
-
-
-def _kib_field(text: bytes, name: bytes) -> int | None:
-    """``_kib_fields(text, {name}).get(name)`` without splitting every line: /proc/PID/status
-    has some 55 lines and one is wanted. The same result, the same error on a bad line:
-    the lines that start with ``name:`` are found by search (the last one wins, the first
-    bad one raises). Text with a carriage return (never the kernel's) takes the plain path,
-    since ``splitlines`` also breaks lines there."""
-    if b"\r" in text:
-        return _kib_fields(text, {name}).get(name)
-    head = name + b":"
-    needle = b"\n" + head
-    value: int | None = None
-    if text.startswith(head):
-        start = 0
-    else:
-        at = text.find(needle)
-        start = -1 if at < 0 else at + 1
-    while start >= 0:
-        end = text.find(b"\n", start)
-        line = text[start:] if end < 0 else text[start:end]
-        try:
-            value = int(line[len(head):].split()[0]) * 1024
-        except (IndexError, ValueError):
-            raise Malformed(f"bad {name.decode()} line {line!r}") from None
-        if end < 0:
-            break
-        at = text.find(needle, end)
-        start = -1 if at < 0 else at + 1
-    return value
 
 
 def _kib_fields(text: bytes, wanted: set[bytes]) -> dict[bytes, int]:
@@ -333,7 +302,7 @@ class ProcCollector:
             status = self._proc_file(base, "status", pid)
             if status is not None:
                 try:
-                    rss = _kib_field(status, b"VmRSS")
+                    rss = _kib_fields(status, {b"VmRSS"}).get(b"VmRSS")
                     if rss is not None:  # kernel threads and zombies have no VmRSS
                         out["rss_bytes"] = rss
                 except Malformed as exc:
@@ -472,23 +441,11 @@ class ProcCollector:
         With ``pid`` on a real procfs the descriptor is kept (see procfd); a kept descriptor
         that fails (its process exited, the pid may be someone else's now) is dropped and the
         file is opened by path again, so every failure is judged as without one."""
-        kept = self._kept
-        if kept is not None and pid is not None:
-            key = (pid, name)
-            fd = kept.get(key)
-            if fd is not None:
-                try:
-                    data = os.pread(fd, _CHUNK, 0)  # pread_all's first read, inline: this runs 50 times a tick
-                    return data if len(data) < _CHUNK else pread_all(fd)
-                except OSError:
-                    kept.drop(key)
-            try:
-                return pread_all(kept.open(key, os.path.join(base, name)))
-            except OSError as exc:
-                kept.drop(key)
-                return self._unreadable(base, exc)
+        path = os.path.join(base, name)
         try:
-            return _read(os.path.join(base, name))
+            if self._kept is not None and pid is not None:
+                return self._kept.read((pid, name), path)
+            return _read(path)
         except OSError as exc:
             return self._unreadable(base, exc)
 
@@ -520,20 +477,7 @@ class ProcCollector:
     def _host_file(self, path: str) -> bytes:
         """A host file by path, through a kept descriptor on a real procfs (re-opened once
         when the kept one fails); ``OSError`` as a read by path would raise it."""
-        kept = self._kept
-        if kept is None:
-            return _read(path)
-        fd = kept.get(path)
-        if fd is not None:
-            try:
-                return pread_all(fd)
-            except OSError:
-                kept.drop(path)
-        try:
-            return pread_all(kept.open(path, path))
-        except OSError:
-            kept.drop(path)
-            raise
+        return _read(path) if self._kept is None else self._kept.read(path, path)
 
     def _note_malformed(self, path: str, why: str) -> None:
         self._malformed[path] = why

@@ -56,7 +56,7 @@ from typing import Any
 
 from llmdiag.collectors import procnet
 from llmdiag.collectors.own_sockets import OWN_PORTS
-from llmdiag.collectors.procfd import KeptFiles, is_procfs, pread_all
+from llmdiag.collectors.procfd import KeptFiles, is_procfs
 from llmdiag.collectors.sample_reuse import SampleReuse
 from llmdiag.collectors.sockdiag import SockDiagError, dump_tcp
 from llmdiag.config.tcp import TimewaitConfig
@@ -247,19 +247,10 @@ class TimewaitCollector:
         if kept is None:
             return by_path(self.proc_root)
         path = str(self.proc_root / rel)
-        fd = kept.get(rel)
-        data: bytes | None = None
-        if fd is not None:
-            try:
-                data = pread_all(fd)
-            except OSError:
-                kept.drop(rel)
-        if data is None:
-            try:
-                data = pread_all(kept.open(rel, path))
-            except OSError as exc:
-                kept.drop(rel)
-                raise procnet.ProcNetError(f"{path}: {exc.strerror or exc}") from None
+        try:
+            data = kept.read(rel, path)
+        except OSError as exc:
+            raise procnet.ProcNetError(f"{path}: {exc.strerror or exc}") from None
         text = data.decode("ascii", "replace")
         if "\r" in text:  # read_text's universal newlines (never in the kernel's files)
             text = text.replace("\r\n", "\n").replace("\r", "\n")
