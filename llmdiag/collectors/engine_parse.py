@@ -216,11 +216,12 @@ def _changed_values(lines: list[str], state: tuple, last: tuple) -> tuple[list[f
     moved: list[tuple[int, str]] = []
     for i in changed:
         line = lines[i]
-        if (line.rpartition(" ")[0] or line) != heads[i] or i in comment_lines:
+        head, _, value = line.rpartition(" ")
+        if (head or line) != heads[i] or i in comment_lines:
             return None  # another line, or a kept comment line that is not the structure's own
         k = slot_at.get(i)
         if k is not None:
-            moved.append((k, line.rpartition(" ")[2]))
+            moved.append((k, value))
     if not moved:
         return numbers, series
     if "_" in " ".join(value for _, value in moved):  # as in _all_values
@@ -448,8 +449,6 @@ def _patched(dialect: Dialect, outputs: list, rerun: list[int], last: tuple) -> 
     and each gave values for the very engines it gave them for last time: then every (engine,
     signal) has the same winning rule, so the last readings (copied) with those rules' values set
     again are what a build gives, in the same order. None otherwise (a build is needed)."""
-    if len(last) < 5:
-        return None
     last_outputs, last_engines, won = last[1], last[3], last[4]
     for i in rerun:
         new, old = outputs[i][0], last_outputs[i][0]
