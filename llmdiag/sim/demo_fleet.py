@@ -247,10 +247,22 @@ async def run_client(client: ScriptedClient, url: str, model: str, *, seed: int,
         await _arrivals(client.rate_rps, rng, stop, math.inf, launch_http)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
+def _hold_free_port() -> socket.socket:
+    """A free loopback port, held by a bound socket that does not listen.
+
+    The engine binds the same port later (both sockets set SO_REUSEADDR, and
+    Linux lets a listener share a port with a bound socket that does not
+    listen). Until then no ``bind(0)`` and no outgoing connection can be given
+    the port, as they could if it were closed right after it was picked: the
+    collectors are already built for it, so the engine must get exactly it."""
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class DemoFleet:
@@ -278,6 +290,7 @@ class DemoFleet:
         self._stopped = False
         self._stop_requested = False
         self._ports: dict[str, tuple[int, int | None]] = {}
+        self._held: list[socket.socket] = []  # the reserved ports, until the engines have bound them
 
     def reserve_ports(self) -> None:
         """Pick the engines' ports now (free ports from the OS), so that collectors can be built,
@@ -285,7 +298,15 @@ class DemoFleet:
         if self._ports:
             return
         for spec in self.specs:
-            self._ports[spec.name] = (_free_port(), _free_port() if spec.grpc else None)
+            http = _hold_free_port()
+            grpc = _hold_free_port() if spec.grpc else None
+            self._held += [http] + ([grpc] if grpc else [])
+            self._ports[spec.name] = (http.getsockname()[1], grpc.getsockname()[1] if grpc else None)
+
+    def _release_ports(self) -> None:
+        held, self._held = self._held, []
+        for sock in held:
+            sock.close()
 
     @property
     def started(self) -> bool:
@@ -342,6 +363,7 @@ class DemoFleet:
                 pass  # the loop already ended
         if self._thread is not None:
             self._thread.join(timeout=15)
+        self._release_ports()
         self._stopped = True
 
     def _run(self) -> None:
@@ -360,10 +382,12 @@ class DemoFleet:
                 self.engines.append(engine)
                 await engine.start()
         except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
+            self._release_ports()
             self._error = exc
             self._ready.set()
             await self._stop_engines()
             return
+        self._release_ports()  # the engines listen on them now
         self._ready.set()
         if self._stop_requested:  # stop() came while the engines were starting
             self._stop.set()

@@ -29,12 +29,24 @@ def _refused(url: str) -> bool:
         return sock.connect_ex((host, int(port))) != 0
 
 
+def _taken(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+        return False
+
+
 def test_fleet_serves_then_stops_everything() -> None:
     before = {t.name for t in threading.enumerate()}
     fleet = DemoFleet(fault_at=60)
     fleet.reserve_ports()
     planned = {b.name: b.url for b in fleet.backends()}
     assert set(planned) == {"vllm-0", "vllm-1", "vllm-2", "vllm-3", "vllm-4", "vllm-3-grpc"}
+    # Reserved means held: nothing else can bind a planned port before the engines do.
+    for url in planned.values():
+        assert _taken(int(url.rsplit(":", 1)[1])), url
     fleet.start()
     try:
         assert {b.name: b.url for b in fleet.backends()} == planned  # the reserved ports were used
@@ -65,8 +77,13 @@ def test_demo_interrupted_prints_the_report_and_stops_its_engines(tmp_path: Path
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and (not recording.exists() or len(recording.read_text().splitlines()) < 3):
+            # A demo that ended early says why on stderr: fail with it now rather than after the deadline.
+            if proc.poll() is not None:
+                out, err = proc.communicate()
+                pytest.fail(f"demo exited with {proc.returncode} before recording 3 snapshots:\n{out}\n{err}")
             time.sleep(0.5)
-        assert recording.exists(), "no snapshot recorded within 60 s"
+        assert recording.exists() and recording.read_text().count("\n") >= 3, (
+            "fewer than 3 snapshots recorded within 60 s: " + _stop_and_tell(proc))
         snaps = list(read_snapshots(recording))
         urls = sorted(snaps[0].backends)
         proc.send_signal(sig)
@@ -77,6 +94,12 @@ def test_demo_interrupted_prints_the_report_and_stops_its_engines(tmp_path: Path
     assert "verdict:" in out and "recorded" in out, out + err
     # The engine collector scrapes vllm-3-grpc too: through its metrics_url (vllm-3's /metrics).
     assert urls == ["vllm-0", "vllm-1", "vllm-2", "vllm-3", "vllm-3-grpc", "vllm-4"]
+
+
+def _stop_and_tell(proc: subprocess.Popen[str]) -> str:
+    proc.kill()
+    out, err = proc.communicate(timeout=30)
+    return f"stdout:\n{out}\nstderr:\n{err}"
 
 
 def _engine_only(tmp_path: Path) -> Path:
