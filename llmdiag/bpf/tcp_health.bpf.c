@@ -157,15 +157,37 @@ static __always_inline int is_v4_mapped(const u8 *a)
            a[6] == 0 && a[7] == 0 && a[8] == 0 && a[9] == 0 && a[10] == 0xff && a[11] == 0xff;
 }
 
-/* Fill key for a connection (local port lport; remote rport at raddr4/raddr6).
- * Server side wins when both ends are ports of interest. Returns 1 on a match. */
 static __always_inline int is_own(u16 local, u16 remote)
 {
     u32 pair = ((u32)local << 16) | remote;
     return own_conns.lookup(&pair) != 0;
 }
 
+/* key->family and key->addr from an address (v4-mapped IPv6 is stored as IPv4). */
+static __always_inline void set_addr(struct endpoint_key *key, u16 family, const u8 addr4[4], const u8 addr6[16])
+{
+    if (family == FAMILY_INET6) {
+        if (is_v4_mapped(addr6)) {
+            key->family = FAMILY_INET;
+            __builtin_memcpy(key->addr, addr6 + 12, 4);
+        } else {
+            key->family = FAMILY_INET6;
+            __builtin_memcpy(key->addr, addr6, 16);
+        }
+    } else {
+        key->family = FAMILY_INET;
+        __builtin_memcpy(key->addr, addr4, 4);
+    }
+}
+
+/* Fill key for a connection: local laddr:lport, remote raddr:rport (the 4-byte
+ * form for IPv4, the 16-byte one for IPv6). Server side wins when both ends are
+ * ports of interest. The server side keeps its local address: engines in pods
+ * each listen on the same port (8000) in their own network namespace, and the
+ * address the client reached (the pod IP) is what tells them apart.
+ * Returns 1 on a match. */
 static __always_inline int classify(struct endpoint_key *key, u16 family, u16 lport, u16 rport,
+                                    const u8 laddr4[4], const u8 laddr6[16],
                                     const u8 raddr4[4], const u8 raddr6[16])
 {
     __builtin_memset(key, 0, sizeof(*key));
@@ -174,27 +196,15 @@ static __always_inline int classify(struct endpoint_key *key, u16 family, u16 lp
         return 0;
     if (lport && (port_role(lport) & ROLE_SERVER)) {
         key->side = SIDE_SERVER;
-        key->family = family == FAMILY_INET6 ? FAMILY_INET6 : FAMILY_INET;
         key->port = lport;
+        set_addr(key, family, laddr4, laddr6);
         return 1;
     }
     if (!rport || !(port_role(rport) & ROLE_CLIENT))
         return 0;
     key->side = SIDE_CLIENT;
     key->port = rport;
-    if (family == FAMILY_INET6 && raddr6) {
-        if (is_v4_mapped(raddr6)) {
-            key->family = FAMILY_INET;
-            __builtin_memcpy(key->addr, raddr6 + 12, 4);
-        } else {
-            key->family = FAMILY_INET6;
-            __builtin_memcpy(key->addr, raddr6, 16);
-        }
-    } else {
-        key->family = FAMILY_INET;
-        if (raddr4)
-            __builtin_memcpy(key->addr, raddr4, 4);
-    }
+    set_addr(key, family, raddr4, raddr6);
     return 1;
 }
 
@@ -213,11 +223,13 @@ static __always_inline int classify_sockaddrs(struct endpoint_key *key, const u8
     u16 family = local[0] | (local[1] << 8);
     u16 lport = (local[2] << 8) | local[3];
     u16 rport = (remote[2] << 8) | remote[3];
-    u8 r4[4];
-    u8 r6[16];
+    u8 l4[4], r4[4];
+    u8 l6[16], r6[16];
+    __builtin_memcpy(l4, local + 4, 4);
+    __builtin_memcpy(l6, local + 8, 16);
     __builtin_memcpy(r4, remote + 4, 4);
     __builtin_memcpy(r6, remote + 8, 16);
-    return classify(key, family, lport, rport, r4, r6);
+    return classify(key, family, lport, rport, l4, l6, r4, r6);
 }
 
 static __always_inline u32 latency_slot(u64 ns)
@@ -245,12 +257,14 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         if (bpf_probe_read_kernel(&learn, sizeof(learn), (void *)sk) == 0 && learn.prot)
             *known_prot = learn.prot;
     }
-    u8 daddr[4];
-    u8 daddr6[16];
+    u8 saddr[4], daddr[4];
+    u8 saddr6[16], daddr6[16];
+    __builtin_memcpy(saddr, args->saddr, 4);
+    __builtin_memcpy(saddr6, args->saddr_v6, 16);
     __builtin_memcpy(daddr, args->daddr, 4);
     __builtin_memcpy(daddr6, args->daddr_v6, 16);
     struct endpoint_key key;
-    if (!classify(&key, args->family, args->sport, args->dport, daddr, daddr6))
+    if (!classify(&key, args->family, args->sport, args->dport, saddr, saddr6, daddr, daddr6))
         return 0;
 
     /* Cross-check the struct sock_common read that endpoint_of() relies on, on
@@ -263,14 +277,17 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
             int bad = head.num != args->sport || ntohs(head.dport) != args->dport ||
                       head.family != args->family || (known_prot && head.prot != *known_prot);
             if (args->family == FAMILY_INET) {
-                u32 d4 = 0;
+                u32 d4 = 0, s4 = 0;
                 __builtin_memcpy(&d4, daddr, 4);
-                bad |= head.daddr != d4;
+                __builtin_memcpy(&s4, saddr, 4);
+                bad |= head.daddr != d4 || head.rcv_saddr != s4;
             } else {
-                u64 a[2], b[2]; /* no memcmp in BPF: compare as two words */
+                u64 a[2], b[2], c[2], d[2]; /* no memcmp in BPF: compare as two words */
                 __builtin_memcpy(a, head.v6_daddr, 16);
                 __builtin_memcpy(b, daddr6, 16);
-                bad |= a[0] != b[0] || a[1] != b[1];
+                __builtin_memcpy(c, head.v6_rcv_saddr, 16);
+                __builtin_memcpy(d, saddr6, 16);
+                bad |= a[0] != b[0] || a[1] != b[1] || c[0] != d[0] || c[1] != d[1];
             }
             if (bad)
                 count_global(G_SOCK_COMMON_MISMATCH);
@@ -352,9 +369,10 @@ static __always_inline struct endpoint_key *endpoint_of(u64 sk, int known_tcp)
             return 0;
     }
     struct endpoint_key key;
-    u8 r4[4];
+    u8 l4[4], r4[4];
+    __builtin_memcpy(l4, &head.rcv_saddr, 4);
     __builtin_memcpy(r4, &head.daddr, 4);
-    if (!classify(&key, head.family, head.num, ntohs(head.dport), r4, head.v6_daddr))
+    if (!classify(&key, head.family, head.num, ntohs(head.dport), l4, head.v6_rcv_saddr, r4, head.v6_daddr))
         return 0;
     if (socks.update(&sk, &key)) {
         count_error(LLMDIAG_ERR_MAP_FULL);
@@ -481,12 +499,14 @@ TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return send_exit(); }
 #if HAVE_RETRANSMIT
 TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
 {
-    u8 daddr[4];
-    u8 daddr6[16];
+    u8 saddr[4], daddr[4];
+    u8 saddr6[16], daddr6[16];
+    __builtin_memcpy(saddr, args->saddr, 4);
+    __builtin_memcpy(saddr6, args->saddr_v6, 16);
     __builtin_memcpy(daddr, args->daddr, 4);
     __builtin_memcpy(daddr6, args->daddr_v6, 16);
     struct endpoint_key key;
-    if (!classify(&key, args->family, args->sport, args->dport, daddr, daddr6))
+    if (!classify(&key, args->family, args->sport, args->dport, saddr, saddr6, daddr, daddr6))
         return 0;
     struct tcp_stats *s = stats_for(&key);
     if (s)
@@ -522,12 +542,14 @@ TRACEPOINT_PROBE(tcp, tcp_send_reset)
 #if HAVE_RECEIVE_RESET
 TRACEPOINT_PROBE(tcp, tcp_receive_reset)
 {
-    u8 daddr[4];
-    u8 daddr6[16];
+    u8 saddr[4], daddr[4];
+    u8 saddr6[16], daddr6[16];
+    __builtin_memcpy(saddr, args->saddr, 4);
+    __builtin_memcpy(saddr6, args->saddr_v6, 16);
     __builtin_memcpy(daddr, args->daddr, 4);
     __builtin_memcpy(daddr6, args->daddr_v6, 16);
     struct endpoint_key key;
-    if (!classify(&key, args->family, args->sport, args->dport, daddr, daddr6))
+    if (!classify(&key, args->family, args->sport, args->dport, saddr, saddr6, daddr, daddr6))
         return 0;
     struct tcp_stats *s = stats_for(&key);
     if (s)

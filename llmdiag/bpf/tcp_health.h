@@ -12,7 +12,7 @@ enum port_role {
 
 /* endpoint_key.side */
 enum endpoint_side {
-    SIDE_SERVER = 1, /* key: local listen port; addr is all zero */
+    SIDE_SERVER = 1, /* key: local ip:port (the address the client reached: a pod IP, the node's, loopback) */
     SIDE_CLIENT = 2, /* key: remote ip:port */
 };
 
@@ -20,7 +20,7 @@ struct endpoint_key {
     __u8 side;      /* enum endpoint_side */
     __u8 family;    /* 2 = AF_INET (addr[0..3]), 10 = AF_INET6; v4-mapped v6 is stored as AF_INET */
     __u16 port;     /* host byte order */
-    __u8 addr[16];  /* remote address for SIDE_CLIENT, zero for SIDE_SERVER */
+    __u8 addr[16];  /* local address for SIDE_SERVER, remote address for SIDE_CLIENT */
 };
 
 /* Cumulative per-endpoint counters; user space takes deltas. */

@@ -148,14 +148,14 @@ def _dump(family: int, states: int) -> Iterator[tuple[int, bytes, int, int, int,
 
 def iter_tcp(
     states: Iterable[str], families: Iterable[int] = (socket.AF_INET, socket.AF_INET6)
-) -> Iterator[tuple[int, int, str]]:
-    """``(state, local_port, remote "ip:port")`` for every TCP socket in ``states``."""
+) -> Iterator[tuple[int, int, str, str]]:
+    """``(state, local_port, remote "ip:port", local "ip:port")`` for every TCP socket in ``states``."""
     mask = 0
     for name in states:
         mask |= 1 << TCP_STATES[name]
     for family in families:
-        for state, dst, dport, sport, fam, _expires, _src in _dump(family, mask):
-            yield state, sport, format_endpoint(fam, dst, dport)
+        for state, dst, dport, sport, fam, _expires, src in _dump(family, mask):
+            yield state, sport, format_endpoint(fam, dst, dport), format_endpoint(fam, src, sport)
 
 
 def iter_listening() -> Iterator[tuple[int, bytes, int, int]]:

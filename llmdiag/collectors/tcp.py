@@ -5,7 +5,13 @@ The BPF side is :file:`llmdiag/bpf/tcp_health.bpf.c` (structs in
 per tick; nothing is streamed per event. Two kinds of subject:
 
 * **server side**, a backend's local listen port: samples under
-  ``Scope.BACKEND`` (the backend's name);
+  ``Scope.BACKEND`` (the backend's name). Engines in Kubernetes pods each
+  listen on the same port (8000) in a network namespace of their own; when
+  several backends share a port, a connection belongs to the one whose URL
+  address is the address the client reached (the pod IP), and the rest of
+  that port's traffic to a backend on a loopback URL (an engine in the node's
+  namespace, reached at any of the node's addresses), else to nobody
+  (``Scope.DESTINATION`` ``*:PORT``);
 * **client side**, a remote ``ip:port`` that local clients (a gateway on this
   host) connect to: samples under ``Scope.DESTINATION``.
 
@@ -43,6 +49,7 @@ tracepoint on every send/write syscall of the host.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import socket
@@ -148,6 +155,22 @@ def _calibrate() -> None:
             continue  # no IPv6 on this host: IPv6 sockets are learned from real traffic
 
 
+def _backend_endpoint(backend: Backend) -> tuple[str | None, bool]:
+    """``(local "ip:port" as format_endpoint writes it, or None for a host name; whether the
+    URL says "this host's own namespace": 127.0.0.1, ::1, localhost, or an unspecified address)``."""
+    host = backend.host.strip("[]")
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None, False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    text = f"{ip}:{backend.port}" if ip.version == 4 else f"[{ip.compressed}]:{backend.port}"
+    return text, ip.is_unspecified or str(ip) in ("127.0.0.1", "::1")
+
+
 def _find_listener_pids(ports: set[int]) -> set[int]:
     """Processes listening on ``ports`` (their sends are the ones worth timing)."""
     if not ports:
@@ -194,6 +217,12 @@ class TcpCollector:
         for port in self.config.server_ports:
             self.server_ports.setdefault(port, [])
         self.client_ports = {b.port for b in self.backends} | set(self.config.client_ports)
+        # Server subjects: a port's number while at most one backend listens on it; for a port that
+        # several share, the local "ip:port" of a backend's URL, and "*:PORT" for the rest.
+        self._shared_ports: dict[int, tuple[dict[str, str], str]] = {}  # port -> (local "ip:port" -> subject, the rest's)
+        self._server_names: dict[str, list[str]] = {}  # server subject -> backend names
+        self._server_subjects: set[str] = set()  # watched: they read zeros before their first event
+        self._map_server_subjects()
         self.program: Program | None = None
         self.unavailable: BPFUnavailable | None = None
         self.send_path = "none"
@@ -216,6 +245,38 @@ class TcpCollector:
         self._timed_pids: set[int] = set()
         self._pids_refreshed = -math.inf
         self._start(program_factory or Program.load)
+
+    def _map_server_subjects(self) -> None:
+        by_port: dict[int, list[Backend]] = {}
+        for backend in self.backends:
+            by_port.setdefault(backend.port, []).append(backend)
+        for port, names in self.server_ports.items():
+            sharers = by_port.get(port, [])
+            if len(sharers) <= 1:
+                self._server_names[str(port)] = names
+                self._server_subjects.add(str(port))
+                continue
+            owners: dict[str, str] = {}
+            rest = None
+            for backend in sharers:
+                endpoint, node_local = _backend_endpoint(backend)
+                if endpoint is None:
+                    continue  # a host name: no address to match (its traffic goes to the rest)
+                owners[endpoint] = endpoint
+                self._server_names.setdefault(endpoint, []).append(backend.name)
+                self._server_subjects.add(endpoint)
+                if node_local and rest is None:
+                    # An engine in the node's namespace is reached at 127.0.0.1 and at every address
+                    # of the node: the port's traffic at addresses no other backend has is its.
+                    rest = endpoint
+            self._shared_ports[port] = (owners, rest or f"*:{port}")
+
+    def _server_subject(self, port: int, local: str) -> str:
+        shared = self._shared_ports.get(port)
+        if shared is None:
+            return str(port)
+        owners, rest = shared
+        return owners.get(local, rest)
 
     # -- start ------------------------------------------------------------------
     def _start(self, factory: ProgramFactory) -> None:
@@ -287,12 +348,12 @@ class TcpCollector:
         counts: dict[tuple[int, str], int] = {}
         own = self.own_connections.pairs()
         try:
-            for _state, lport, remote in iter_tcp(("ESTABLISHED",)):
+            for _state, lport, remote, local in iter_tcp(("ESTABLISHED",)):
                 rport = int(remote.rsplit(":", 1)[1])
                 if (lport, rport) in own or (rport, lport) in own:
                     continue  # llmdiag's own scrape
                 if lport in self.server_ports:
-                    key = (SIDE_SERVER, str(lport))
+                    key = (SIDE_SERVER, self._server_subject(lport, local))
                 else:
                     if rport not in self.client_ports:
                         continue
@@ -323,12 +384,15 @@ class TcpCollector:
         self._timed_pids = wanted
 
     # -- reading ------------------------------------------------------------------
-    @staticmethod
-    def _subject_key(key: Mapping[str, Any]) -> tuple[int, str]:
-        if key["side"] == SIDE_SERVER:
-            return SIDE_SERVER, str(key["port"])
+    def _subject_key(self, key: Mapping[str, Any]) -> tuple[int, str]:
+        port = key["port"]
+        if key["side"] == SIDE_SERVER and port not in self._shared_ports:
+            return SIDE_SERVER, str(port)
         family = socket.AF_INET6 if key["family"] == 10 else socket.AF_INET
-        return SIDE_CLIENT, format_endpoint(family, key["addr"], key["port"])
+        endpoint = format_endpoint(family, key["addr"], port)
+        if key["side"] == SIDE_SERVER:
+            return SIDE_SERVER, self._server_subject(port, endpoint)
+        return SIDE_CLIENT, endpoint
 
     def _read_stats(self) -> dict[tuple[int, str], dict[str, int]]:
         assert self.program is not None
@@ -421,8 +485,8 @@ class TcpCollector:
             subject: values["active_closes"] for (side, subject), values in stats.items() if side == SIDE_CLIENT
         }
         # Backends' server ports are watched: a port with no events yet has real zeros.
-        for port in self.server_ports:
-            stats.setdefault((SIDE_SERVER, str(port)), {})
+        for name in self._server_subjects:
+            stats.setdefault((SIDE_SERVER, name), {})
         for key in self._baseline:
             stats.setdefault(key, {})
 
@@ -441,8 +505,8 @@ class TcpCollector:
         side, name = subject
         if side == SIDE_CLIENT:
             return [(Scope.DESTINATION, name)]
-        names = self.server_ports.get(int(name), [])
-        return [(Scope.BACKEND, b) for b in names] or [(Scope.DESTINATION, f"*:{name}")]
+        names = self._server_names.get(name, [])
+        return [(Scope.BACKEND, b) for b in names] or [(Scope.DESTINATION, name if name[0] == "*" else f"*:{name}")]
 
     def _signals(self, subject: tuple[int, str], v: Mapping[str, int], now: float) -> dict[str, Any]:
         get = v.get

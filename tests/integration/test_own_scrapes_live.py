@@ -19,7 +19,7 @@ def _timewait_between(port: int, clients: set[int]) -> list[tuple[int, str]]:
     """TIME_WAIT sockets on either end of connections between 127.0.0.1:``port`` and these client ports."""
     return [
         (lport, remote)
-        for _s, lport, remote in iter_tcp(("TIME_WAIT",))
+        for _s, lport, remote, _local in iter_tcp(("TIME_WAIT",))
         if (lport in clients and remote == f"127.0.0.1:{port}") or (lport == port and int(remote.rsplit(":", 1)[1]) in clients)
     ]
 

@@ -440,3 +440,73 @@ def test_an_idle_endpoints_samples_are_reused_and_a_change_is_read(listener: soc
         server_side.close()
     finally:
         collector.close()
+
+
+def _listen_on(host: str, port: int) -> socket.socket:
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((host, port))
+    srv.listen(16)
+    srv.settimeout(20)
+    return srv
+
+
+@pytest.mark.parametrize("with_node", [True, False])
+def test_backends_sharing_a_port_are_told_apart_by_the_address_reached(with_node: bool) -> None:
+    # Engines in pods all listen on 8000, each in its own network namespace at its pod IP. Here:
+    # two "pods" at 127.0.0.2 and 127.0.0.3; maybe an engine of the node's namespace on a loopback
+    # URL, whose traffic arrives at 127.0.0.1 and at the node's other addresses (127.0.0.5, 127.0.0.4):
+    # the port's traffic at addresses no pod has is its, else nobody's. One connection to pod-a is
+    # opened before the collector starts.
+    first = _listen_on("127.0.0.2", 0)
+    port = first.getsockname()[1]
+    listeners = {"127.0.0.2": first}
+    try:
+        for host in ("127.0.0.3", "127.0.0.1", "127.0.0.5", "127.0.0.4"):
+            listeners[host] = _listen_on(host, port)
+    except OSError as exc:
+        for srv in listeners.values():
+            srv.close()
+        pytest.skip(f"cannot listen on the same port at several loopback addresses: {exc}")
+    backends = [Backend.from_url(f"http://127.0.0.2:{port}", name="pod-a"),
+                Backend.from_url(f"http://127.0.0.3:{port}", name="pod-b")]
+    if with_node:
+        backends.append(Backend.from_url(f"http://127.0.0.1:{port}", name="node"))
+    before = _pair(listeners["127.0.0.2"])
+    collector = TcpCollector(TcpConfig(), backends)
+    assert collector.unavailable is None, collector.unavailable
+    sizes = {"127.0.0.2": 10_000, "127.0.0.3": 20_000, "127.0.0.1": 30_000, "127.0.0.5": 5_000, "127.0.0.4": 7_000}
+    pairs = [before]
+    rest = "node" if with_node else None
+    try:
+        for host, size in sizes.items():
+            client, server_side = before if host == "127.0.0.2" else _pair(listeners[host])
+            pairs.append((client, server_side))
+            server_side.sendall(b"s" * size)
+            _recv_exactly(client, size)
+        # pod-b's clients give up: two resets, received by pod-b only
+        for _ in range(2):
+            client, server_side = _pair(listeners["127.0.0.3"])
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            client.close()
+            server_side.close()
+        snap = _settle(collector, lambda s: s.backends["pod-b"]["tcp_resets_received_total"] >= 2
+                       and (s.backends if rest else s.destinations)[rest or f"*:{port}"]["tcp_send_bytes_total"] >= 42_000)
+    finally:
+        collector.close()
+        for client, server_side in pairs:
+            client.close()
+            server_side.close()
+        for srv in listeners.values():
+            srv.close()
+    names = [b.name for b in backends]
+    got = {name: snap.backends[name]["tcp_send_bytes_total"] for name in names}
+    rest_signals = snap.backends["node"] if with_node else snap.destinations[f"*:{port}"]
+    assert got == {"pod-a": 10_000, "pod-b": 20_000, **({"node": 42_000} if with_node else {})}
+    assert rest_signals["tcp_send_bytes_total"] == 42_000
+    assert rest_signals["tcp_connections_active"] == 3
+    assert {n: snap.backends[n]["tcp_resets_received_total"] for n in names} == {
+        "pod-a": 0, "pod-b": 2, **({"node": 0} if with_node else {})}
+    assert snap.backends["pod-a"]["tcp_connections_active"] == 1  # opened before start: told apart by address too
+    assert snap.backends["pod-b"]["tcp_connections_active"] == 1
+    assert snap.host["tcp_sock_common_mismatch_total"] == 0
