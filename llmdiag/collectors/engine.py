@@ -67,7 +67,7 @@ from urllib.parse import urlsplit
 from llmdiag.collectors.engine_names import AGGREGATION, Dialect, detect_dialect
 from llmdiag.collectors.engine_parse import EngineReading, ExpositionCache, ParsedScrape, parse_exposition, read_engines
 from llmdiag.collectors.histogram import CumulativeHistogram, HistogramDelta, counter_delta
-from llmdiag.collectors.http_fetch import PROMETHEUS_ACCEPT, FetchFunction, FetchResult, KeepAlivePool
+from llmdiag.collectors.http_fetch import PROMETHEUS_ACCEPT, SCRAPE_SHARE_OF_TICK, FetchFunction, FetchResult, KeepAlivePool
 from llmdiag.collectors.http_multi import MultiFetcher, direct_target
 from llmdiag.config.engine import EngineConfig
 from llmdiag.model import (
@@ -663,9 +663,6 @@ def _fresh(sample: Sample) -> Sample:
         return Sample(sample.scope, sample.subject, sample.name, Labelled(sample.value), sample.engine)
     return sample
 
-
-#: A scrape's deadline is at most this share of the tick interval (see :func:`build_engine_collector`).
-SCRAPE_SHARE_OF_TICK = 0.8
 
 
 def build_engine_collector(config, backends: list[Backend]) -> EngineCollector:

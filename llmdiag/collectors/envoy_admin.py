@@ -47,7 +47,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from llmdiag.collectors.http_fetch import FetchFunction, http_get
+from llmdiag.collectors.http_fetch import SCRAPE_SHARE_OF_TICK, FetchFunction, http_get
 from llmdiag.config import Config
 from llmdiag.config.picker import EnvoyConfig
 from llmdiag.model import Backend, CollectorState, CollectorStatus, Sample, Scope
@@ -56,6 +56,8 @@ from llmdiag.model.signals import Labelled
 __all__ = ["EnvoyAdminCollector", "build_envoy_collector", "parse_clusters", "parse_stats"]
 
 log = logging.getLogger("llmdiag.collectors.envoy")
+
+_MIN_READ_SECONDS = 0.01  # less than this left of the deadline: the read is not started
 
 _HOST_COUNTERS = ("rq_success", "rq_error", "rq_timeout", "cx_connect_fail", "cx_total", "rq_total")
 _HOST_GAUGES = ("cx_active", "rq_active")
@@ -140,8 +142,13 @@ class EnvoyAdminCollector:
     name = "envoy"
 
     def __init__(self, config: EnvoyConfig, backends: Iterable[Backend], fetch: FetchFunction = http_get,
-                 clock: Any = time.time) -> None:
+                 clock: Any = time.time, *, deadline_seconds: float | None = None,
+                 monotonic: Any = time.monotonic) -> None:
+        """``deadline_seconds``: both admin reads of one collect end within it (each read also
+        within ``config.timeout_seconds``); None: only the per-read timeout."""
         self.config = config
+        self.deadline_seconds = deadline_seconds
+        self._monotonic = monotonic
         self._base = config.admin_url.rstrip("/")
         self._by_address = {b.address: b.name for b in backends}
         self._fetch = fetch
@@ -150,8 +157,15 @@ class EnvoyAdminCollector:
         self._last_ok_ts: float | None = None
         self._errors_total = 0
 
+    def _time_left(self, started: float) -> float:
+        if self.deadline_seconds is None:
+            return self.config.timeout_seconds
+        return min(self.config.timeout_seconds, self.deadline_seconds - (self._monotonic() - started))
+
     def collect(self, now: float) -> list[Sample]:
-        clusters_answer = self._fetch(f"{self._base}/clusters?format=json", self.config.timeout_seconds,
+        started = self._monotonic()
+        first = self.config.timeout_seconds if self.deadline_seconds is None else min(self.config.timeout_seconds, self.deadline_seconds)
+        clusters_answer = self._fetch(f"{self._base}/clusters?format=json", first,
                                       self.config.max_bytes, "application/json")
         if not clusters_answer.ok:
             return self._failed(f"{self._base}/clusters: {clusters_answer.error}")
@@ -162,10 +176,16 @@ class EnvoyAdminCollector:
         if not isinstance(doc, Mapping) or not isinstance(doc.get("cluster_statuses"), list):
             return self._failed(f"{self._base}/clusters: no cluster_statuses (is this an Envoy admin port?)")
         clusters = parse_clusters(doc, self.config.clusters)
-        stats_answer = self._fetch(f"{self._base}/stats?filter=%5Ecluster%5C.", self.config.timeout_seconds,
-                                   self.config.max_bytes, "text/plain")
-        resets = parse_stats(stats_answer.body, self.config.clusters) if stats_answer.ok else None
-        self._trouble = None if resets is not None else f"{self._base}/stats: {stats_answer.error} (no reset counts)"
+        left = self._time_left(started)
+        if left < _MIN_READ_SECONDS:
+            # A slow /clusters used up the tick's share: the resets wait for the next tick.
+            resets, why = None, f"no time left in the tick's {self.deadline_seconds:.2g} s for /stats"
+        else:
+            stats_answer = self._fetch(f"{self._base}/stats?filter=%5Ecluster%5C.", left,
+                                       self.config.max_bytes, "text/plain")
+            resets = parse_stats(stats_answer.body, self.config.clusters) if stats_answer.ok else None
+            why = f"{stats_answer.error}"
+        self._trouble = None if resets is not None else f"{self._base}/stats: {why} (no reset counts)"
         if resets is None:
             self._errors_total += 1
         self._last_ok_ts = now
@@ -231,7 +251,12 @@ class EnvoyAdminCollector:
 
 
 def build_envoy_collector(config: Config, backends: list[Backend]) -> EnvoyAdminCollector:
-    """The ``envoy`` collector; raises ``LookupError`` when no admin URL is configured (the wiring reports it)."""
+    """The ``envoy`` collector; raises ``LookupError`` when no admin URL is configured (the wiring reports it).
+
+    Its two admin reads share one deadline, 0.8 of ``[agent] interval_seconds``: read one after
+    the other with 1 s each, a hung admin port held every tick for 2 s, and the agent missed
+    ticks for as long as Envoy hung (as a hung engine once did; see build_engine_collector)."""
     if not config.envoy.admin_url:
         raise LookupError("no Envoy admin API configured (set [envoy] admin_url, e.g. http://127.0.0.1:9901)")
-    return EnvoyAdminCollector(config.envoy, backends)
+    return EnvoyAdminCollector(config.envoy, backends,
+                               deadline_seconds=SCRAPE_SHARE_OF_TICK * config.agent.interval_seconds)

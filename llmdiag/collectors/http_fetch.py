@@ -29,7 +29,12 @@ from urllib.parse import urlsplit
 
 from llmdiag.collectors.own_sockets import OWN_PORTS, OwnPorts, bound_connection
 
-__all__ = ["FAILURES", "PROMETHEUS_ACCEPT", "FetchFunction", "FetchResult", "KeepAlivePool", "http_get"]
+__all__ = ["FAILURES", "FetchFunction", "FetchResult", "KeepAlivePool", "PROMETHEUS_ACCEPT", "SCRAPE_SHARE_OF_TICK", "http_get"]
+
+#: A scrape made during a tick has at most this share of the tick interval for all of its reads:
+#: a tick waits for its slowest collector, so a reader allowed a whole interval or more (a hung
+#: engine or Envoy admin at the default 1 s timeout, with 1 s ticks) makes the agent miss ticks.
+SCRAPE_SHARE_OF_TICK = 0.8
 
 #: Ask for the classic text format: it is what every engine serves, and its
 #: parser is prometheus_client's text parser.

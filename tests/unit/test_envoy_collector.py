@@ -107,3 +107,60 @@ def test_wiring_and_config():
     assert collector.name == "envoy" and collector.config.clusters == ("pool",)
     with pytest.raises(ValueError, match="envoy.admin_url"):
         Config.from_toml('[envoy]\nadmin_url = "127.0.0.1:9901"\n')
+
+
+class _SlowAdmin:
+    """An admin API on a fake clock: each read takes ``took[path]`` seconds, or hangs (None) until
+    the timeout it was given runs out; records the timeouts it was given."""
+
+    def __init__(self, took: dict[str, float | None]) -> None:
+        self.now = 0.0
+        self.took = took
+        self.timeouts: list[tuple[str, float]] = []
+
+    def fetch(self, url: str, timeout: float, max_bytes: int, accept: str) -> FetchResult:
+        path = "/clusters" if "/clusters" in url else "/stats"
+        self.timeouts.append((path, timeout))
+        took = self.took[path]
+        if took is None or took > timeout:
+            self.now += timeout
+            return FetchResult(url, error=f"timed out after {timeout:g} s", failure="timeout")
+        self.now += took
+        return FetchResult(url, status=200, body=CLUSTERS if path == "/clusters" else STATS)
+
+
+@pytest.mark.parametrize("took, reads, resets", [
+    ({"/clusters": None, "/stats": 0.01}, [("/clusters", 0.8)], False),  # hung: one read, cut at the deadline
+    ({"/clusters": 0.5, "/stats": None}, [("/clusters", 0.8), ("/stats", 0.3)], False),  # /stats gets what is left
+    ({"/clusters": 0.8, "/stats": 0.01}, [("/clusters", 0.8)], False),  # nothing left: /stats waits a tick
+    ({"/clusters": 0.1, "/stats": 0.1}, [("/clusters", 0.8), ("/stats", 0.7)], True),
+])
+def test_both_admin_reads_end_within_the_ticks_share(took, reads, resets):
+    # [agent] interval_seconds = 1: the two reads have 0.8 s together, though each may take 1 s.
+    admin = _SlowAdmin(took)
+    config = Config.from_toml('[envoy]\nadmin_url = "http://127.0.0.1:9901"\n')
+    collector = COLLECTOR_FACTORIES["envoy"](config, BACKENDS)
+    collector._fetch, collector._monotonic = admin.fetch, lambda: admin.now
+    samples = collector.collect(1.0)
+    assert [(path, round(t, 6)) for path, t in admin.timeouts] == reads
+    assert admin.now <= 0.8 + 1e-9
+    assert any(s.name == "gateway_upstream_resets_total" for s in samples) is resets
+    if took["/clusters"] is not None:
+        assert any(s.name == "gateway_responses_total" for s in samples)  # what was read is kept
+    status = collector.status()
+    assert (status.status is CollectorState.OK) is resets
+    if reads == [("/clusters", 0.8)] and took["/clusters"] is not None:
+        assert "no time left" in status.reason
+
+
+def test_a_hung_admin_port_is_cut_at_the_ticks_share():
+    # A real listener that accepts and never answers, read with the real http_get.
+    import socket
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(4)
+        config = Config.from_toml(f'[agent]\ninterval_seconds = 0.5\n[envoy]\nadmin_url = "http://127.0.0.1:{srv.getsockname()[1]}"\n')
+        collector = COLLECTOR_FACTORIES["envoy"](config, BACKENDS)
+        assert collector.collect(1.0) == []
+    assert "timed out after 0.4 s" in collector.status().reason
