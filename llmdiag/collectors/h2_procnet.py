@@ -10,8 +10,10 @@ under one ``proc_root`` so tests run on recorded trees:
 * ``/proc/PID/fd/N``: a link whose text is ``socket:[INODE]`` for sockets.
 
 ``/proc/net/tcp*`` shows the sockets of the reader's network namespace
-(``/proc/self/net``); a backend in another namespace is not found (documented
-in docs/http2.md).
+(``/proc/self/net``). A backend in another namespace (a pod engine) is read
+through its own process instead (:func:`pid_sockets`: ``/proc/PID/net/tcp*``
+is the table of that process's namespace), once the http2 collector knows the
+pid (discovery's ``local_backend_pids``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BackendSockets", "TcpSocket", "backend_sockets", "parse_proc_net_tcp", "scan_pid_fds"]
+__all__ = ["BackendSockets", "TcpSocket", "backend_sockets", "parse_proc_net_tcp", "pid_sockets", "scan_pid_fds"]
 
 _LISTEN = 0x0A  # TCP_LISTEN (include/net/tcp_states.h); /proc/net/tcp prints states in hex
 _SOCKET_LINK = re.compile(r"^socket:\[(\d+)\]$")
@@ -131,3 +133,18 @@ def backend_sockets(ports: Iterable[int], proc_root: str | os.PathLike[str] = "/
             if port is not None:
                 connections[(pid, fd)] = port
     return BackendSockets(pid_ports, connections)
+
+
+def pid_sockets(pid: int, port: int, proc_root: str | os.PathLike[str] = "/proc") -> list[int] | None:
+    """The fds of one process's accepted TCP connections on ``port``, read in the process's own
+    network namespace (``/proc/PID/net/tcp*``); None when it does not listen on ``port`` (or is gone)."""
+    root = Path(proc_root)
+    tcp = _read_tcp_tables(root / str(pid))
+    listen = {s.inode for s in tcp if s.listening and s.local_port == port}
+    if not listen:
+        return None
+    accepted = {s.inode for s in tcp if not s.listening and s.local_port == port}
+    fds = scan_pid_fds(root, pid)
+    if not listen.intersection(fds.values()):
+        return None  # the listener is another process's (the pid was reused)
+    return sorted(fd for fd, inode in fds.items() if inode in accepted)

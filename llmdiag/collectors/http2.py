@@ -26,6 +26,12 @@ turns its cumulative counters into per-backend samples
                                  join behind the ``grpc_flow_control_stall`` diagnosis
 =============================== ==================================================================
 
+A backend in a network namespace of its own (a Kubernetes pod engine; its
+sockets are not in the agent's ``/proc/net/tcp``) is traced through its
+process, found by discovery's :func:`~llmdiag.collectors.discovery.local_backend_pids`
+at the backend's address: pod engines that all listen on the same port are
+counted apart.
+
 Directions are the backend's: ``received`` = the client sent it. Counters are
 cumulative since the program loaded. A backend whose port no local process
 has listened on since then gets no samples (and the status says so); one
@@ -48,7 +54,9 @@ from dataclasses import dataclass
 from llmdiag.bpf.loader import BPFUnavailable, program_tracepoints
 from llmdiag.collectors.base import AttachNeed
 from llmdiag.collectors.h2_kernel import ConnectionCounters, H2Kernel, RawEvent, code_counts, code_name
-from llmdiag.collectors.h2_procnet import backend_sockets
+from llmdiag.collectors.discovery import local_backend_pids
+from llmdiag.collectors.h2_procnet import backend_sockets, pid_sockets
+from llmdiag.collectors.netns import namespace_of
 from llmdiag.config import Config
 from llmdiag.config.http2 import Http2Config
 from llmdiag.model import Backend, CollectorState, CollectorStatus, Labelled, Sample, Scope, label_key
@@ -56,6 +64,10 @@ from llmdiag.model import Backend, CollectorState, CollectorStatus, Labelled, Sa
 __all__ = ["H2Event", "Http2Collector", "build_http2_collector"]
 
 log = logging.getLogger("llmdiag.collectors.http2")
+
+#: How often backends with no listener in the agent's namespace are looked for in other namespaces
+#: (reading every namespace's addresses is too much for every refresh).
+POD_LOOKUP_SECONDS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +78,8 @@ class H2Event:
     backend: str
     pid: int
     fd: int
-    port: int
+    port: int  # the backend's port
+    subject: int  # what the program counted it under (the port, or a pod backend's own number)
     frame: str  # "RST_STREAM" | "GOAWAY"
     code: str  # RFC 9113 name, or OTHER
     error_code: int
@@ -111,26 +124,116 @@ class Http2Collector:
         self.proc_root = proc_root
         self.clock = clock
         self.monotonic_ns = monotonic_ns
+        self._backends = list(backends)
         self._backends_by_port: dict[int, list[str]] = {}
-        for backend in backends:
+        for backend in self._backends:
             self._backends_by_port.setdefault(backend.port, []).append(backend.name)
+        # What the program counts by is a "subject" (its u16 ``port`` field, which only user space
+        # sets): a backend's port, or, for a backend found in another network namespace, a number of
+        # its own (from 65535 down), so that pod engines on one port are counted apart. A backend
+        # keeps its subject once given (its counters stay its own if its pod goes away).
+        self._subject_of: dict[str, int] = {b.name: b.port for b in self._backends}
+        self._subjects: dict[int, tuple[int, tuple[str, ...]]] = {}  # subject -> (port, backend names)
+        self._pod_pids: dict[str, int] = {}  # backend name -> its process in another namespace
+        self._pod_lookup_ns: int | None = None
+        self._own_netns = namespace_of(proc_root, "self")
+        self._map_subjects()
         self._events: deque[H2Event] = deque(maxlen=self.config.recent_events)
-        self._pid_ports: dict[int, tuple[int, ...]] = {}
-        self._seen_ports: set[int] = set()
+        self._listening: set[int] = set()  # subjects with a listener at the last refresh
+        self._seen_ports: set[int] = set()  # subjects ever traced
         self._last_refresh_ns: int | None = None
         self._last_ok_ts: float | None = None
         self._problem: str | None = None
 
     # -- the /proc side ---------------------------------------------------------
+    def _map_subjects(self) -> None:
+        subjects: dict[int, tuple[int, tuple[str, ...]]] = {}
+        for backend in self._backends:
+            subject = self._subject_of[backend.name]
+            port, names = subjects.get(subject, (backend.port, ()))
+            subjects[subject] = (port, names + (backend.name,))
+        self._subjects = subjects
+
     def refresh(self) -> None:
         """Re-read /proc: backend pids into ``watched_pids``, their connections into ``conns``."""
         scanned_at = self.monotonic_ns()
-        found = backend_sockets(self._backends_by_port, self.proc_root)
-        self._pid_ports = found.pid_ports
-        self._seen_ports.update(port for ports in found.pid_ports.values() for port in ports)
-        self.kernel.set_pids({pid: ports[0] for pid, ports in found.pid_ports.items()})
-        self.kernel.sync_connections(found.connections, scanned_at)
+        # Backends still counted by their port: their listeners are in the agent's namespace.
+        ports = {subject for subject, (port, names) in self._subjects.items() if subject == port and names}
+        found = backend_sockets(ports, self.proc_root)
+        pid_subjects = {pid: ports[0] for pid, ports in found.pid_ports.items()}
+        connections = dict(found.connections)
+        listening = {port for ports in found.pid_ports.values() for port in ports}
+        for name, pid in list(self._pod_pids.items()):
+            subject = self._subject_of[name]
+            fds = pid_sockets(pid, self._subjects[subject][0], self.proc_root)
+            if fds is None:
+                del self._pod_pids[name]  # gone (or restarted with a new pid): looked for again
+                continue
+            pid_subjects[pid] = subject
+            connections.update({(pid, fd): subject for fd in fds})
+            listening.add(subject)
+        if self._pod_lookup_due(scanned_at, listening):
+            self._pod_lookup_ns = scanned_at
+            for pid, subject, fds in self._find_pod_backends(listening):
+                pid_subjects[pid] = subject
+                connections.update({(pid, fd): subject for fd in fds})
+                listening.add(subject)
+        self._listening = listening
+        self._seen_ports.update(listening)
+        self.kernel.set_pids(pid_subjects)
+        self.kernel.sync_connections(connections, scanned_at)
         self._last_refresh_ns = scanned_at
+
+    def _pod_lookup_due(self, now_ns: int, listening: set[int]) -> bool:
+        if all(subject in listening for subject, (_, names) in self._subjects.items() if names):
+            return False
+        return self._pod_lookup_ns is None or now_ns - self._pod_lookup_ns >= POD_LOOKUP_SECONDS * 1e9
+
+    def _find_pod_backends(self, listening: set[int]) -> list[tuple[int, int, list[int]]]:
+        """``(pid, subject, accepted fds)`` of the backends that no process of the agent's
+        namespace serves and whose address is that of another local namespace's listener."""
+        unserved = [b for b in self._backends
+                    if self._subject_of[b.name] not in listening and b.name not in self._pod_pids]
+        if not unserved:
+            return []
+        try:
+            pids = local_backend_pids(unserved, self.proc_root)
+        except Exception as exc:  # noqa: BLE001 - best effort: the backends stay unserved, and say so
+            log.warning("http2: looking for backends in other network namespaces failed: %s", exc)
+            return []
+        found: dict[tuple[int, int], list[Backend]] = {}
+        for backend in unserved:
+            pid = pids.get(backend.name)
+            if pid is None or namespace_of(self.proc_root, pid) in (None, self._own_netns):
+                continue
+            found.setdefault((pid, backend.port), []).append(backend)
+        out = []
+        for (pid, port), group in found.items():
+            fds = pid_sockets(pid, port, self.proc_root)
+            if fds is None:
+                continue
+            subject = self._pod_subject(tuple(sorted(b.name for b in group)))
+            for backend in group:
+                self._subject_of[backend.name] = subject
+                self._pod_pids[backend.name] = pid
+            out.append((pid, subject, fds))
+        if out:
+            self._map_subjects()
+        return out
+
+    def _pod_subject(self, names: tuple[str, ...]) -> int:
+        """The subject of backends served by one process in another namespace: the one they had,
+        else a number no backend port and no other subject uses."""
+        current = {self._subject_of[n] for n in names}
+        if len(current) == 1:
+            (subject,) = current
+            if subject not in self._backends_by_port:
+                return subject  # theirs already (found again after a restart)
+        used = set(self._backends_by_port) | set(self._subject_of.values())
+        subject = 65535
+        while subject in used:
+            subject -= 1
+        return subject
 
     def _refresh_due(self) -> bool:
         if self._last_refresh_ns is None:
@@ -145,21 +248,22 @@ class Http2Collector:
         stats = self.kernel.read_stats()
         conns = self.kernel.read_connections()
         self._note_stalls(conns, self.clock())
-        listening = {port for ports in self._pid_ports.values() for port in ports}
         samples: list[Sample] = []
-        missing = []
-        for port, names in sorted(self._backends_by_port.items()):
-            if port not in listening:
-                missing.append(port)
-            if port not in self._seen_ports:
+        missing = set()
+        for subject, (port, names) in sorted(self._subjects.items()):
+            if not names:
+                continue
+            if subject not in self._listening:
+                missing.add(port)
+            if subject not in self._seen_ports:
                 continue  # never traced: no numbers, not zeros
             # A backend that stopped listening (shutdown with grace) keeps its counters.
-            signals = _backend_signals(port, stats, conns)
-            signals["h2_stall_then_reset_total"] = self._stall_resets.get(port, 0)
+            signals = _backend_signals(subject, stats, conns)
+            signals["h2_stall_then_reset_total"] = self._stall_resets.get(subject, 0)
             for name in names:
                 samples.extend(Sample(Scope.BACKEND, name, signal, value) for signal, value in signals.items())
         self._problem = (
-            f"no local process listens on port(s) {', '.join(map(str, missing))}" if missing else None
+            f"no local process listens on port(s) {', '.join(map(str, sorted(missing)))}" if missing else None
         )
         self._last_ok_ts = now
         return samples
@@ -168,7 +272,7 @@ class Http2Collector:
         mono_now = self.monotonic_ns()
         wall_now = self.clock()
         for raw in self.kernel.poll_events():
-            event = _event(raw, self._backends_by_port, wall_now - (mono_now - raw.ts_ns) / 1e9)
+            event = _event(raw, self._subjects, wall_now - (mono_now - raw.ts_ns) / 1e9)
             self._events.append(event)
             self._join_stall(event)
 
@@ -193,7 +297,7 @@ class Http2Collector:
             )
         self._conn_stalls[key] = (seen, rise_ts)
         if joined:
-            self._stall_resets[event.port] = self._stall_resets.get(event.port, 0) + 1
+            self._stall_resets[event.subject] = self._stall_resets.get(event.subject, 0) + 1
 
     def _note_stalls(self, conns: list[ConnectionCounters], wall_now: float) -> None:
         """Record when each traced connection's stall count was first seen higher; forget closed ones."""
@@ -236,14 +340,14 @@ class Http2Collector:
         self.kernel.close()
 
 
-def _backend_signals(port: int, stats: dict, conns: list[ConnectionCounters]) -> dict[str, object]:
+def _backend_signals(subject: int, stats: dict, conns: list[ConnectionCounters]) -> dict[str, object]:
     rst = Labelled()
     goaway = Labelled()
     window_updates = Labelled()
     settings = Labelled()
     opened = closed = stalls = eagain = resyncs = 0
     for direction in ("received", "sent"):
-        counters = stats.get((port, direction))
+        counters = stats.get((subject, direction))
         window_updates[label_key(direction=direction)] = int(counters["window_updates"]) if counters else 0
         settings[label_key(direction=direction)] = int(counters["settings"]) if counters else 0
         if not counters:
@@ -263,7 +367,7 @@ def _backend_signals(port: int, stats: dict, conns: list[ConnectionCounters]) ->
         "h2_rst_stream_total": rst,
         "h2_goaway_total": goaway,
         "h2_flow_control_stalls_total": stalls,
-        "grpc_connections": sum(1 for c in conns if c.port == port and c.confirmed),
+        "grpc_connections": sum(1 for c in conns if c.port == subject and c.confirmed),
         "h2_window_update_total": window_updates,
         "h2_settings_total": settings,
         "h2_send_eagain_total": eagain,
@@ -271,10 +375,11 @@ def _backend_signals(port: int, stats: dict, conns: list[ConnectionCounters]) ->
     }
 
 
-def _event(raw: RawEvent, backends_by_port: dict[int, list[str]], wall_ts: float) -> H2Event:
-    names = backends_by_port.get(raw.port) or [f"port:{raw.port}"]
+def _event(raw: RawEvent, subjects: dict[int, tuple[int, tuple[str, ...]]], wall_ts: float) -> H2Event:
+    port, names = subjects.get(raw.port, (raw.port, ()))  # the program's "port" is the subject
     return H2Event(
-        ts=wall_ts, backend=names[0], pid=raw.pid, fd=raw.fd, port=raw.port, frame=raw.frame,
+        ts=wall_ts, backend=names[0] if names else f"port:{port}", pid=raw.pid, fd=raw.fd, port=port,
+        subject=raw.port, frame=raw.frame,
         code=code_name(raw.error_code), error_code=raw.error_code, direction=raw.direction,
         stream_id=raw.stream_id, last_stream_id=raw.last_stream_id, connection_stalls=raw.conn_stalls,
         stream_stalled_seconds=raw.stream_stalled_ns / 1e9,

@@ -9,19 +9,17 @@ Everything is removed by the fixture's finaliser, also when set-up or the test f
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
-import contextlib
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from pod_support import Pod, fake_engine_argv, network_namespace_pod
 
 from llmdiag.collectors.discovery import discover, local_backend_pids
 from llmdiag.collectors.http_fetch import http_get
@@ -38,117 +36,11 @@ POD_ENV = {"POD_NAME": "fake-engine-0", "POD_NAMESPACE": "inference", "CONTAINER
            "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
 
 
-@dataclass
-class Pod:
-    netns: str  # "net:[INODE]"
-    address: str  # inside, on eth0
-    gateway: str  # the node's end of the veth
-    procs: list[subprocess.Popen[bytes]]
-
-    @property
-    def engine(self) -> subprocess.Popen[bytes]:
-        return self.procs[0]
-
-    @property
-    def loopback_engine(self) -> subprocess.Popen[bytes]:
-        return self.procs[1]
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
-
-
-def _free_subnet() -> ipaddress.IPv4Network:
-    """A /30 in 10.203.0.0/16 that no route or address of this host touches (pid-dependent, so two
-    runs at once pick different ones)."""
-    taken = [ipaddress.ip_network(word, strict=False) for line in _ip("-4", "route", "show", "table", "all").stdout.splitlines()
-             for word in line.split()[:1] if word[0].isdigit()]
-    taken += [ipaddress.ip_interface(word).network for line in _ip("-4", "-o", "addr").stdout.splitlines()
-              for word in line.split() if "/" in word and word[0].isdigit()]
-    for n in range(256):
-        subnet = ipaddress.ip_network(f"10.203.{(os.getpid() + n) % 256}.0/30")
-        if not any(subnet.overlaps(t) for t in taken if t.prefixlen > 0):
-            return subnet
-    pytest.fail("no free /30 in 10.203.0.0/16 on this host")
-
-
-def _cannot(reason: str) -> None:
-    if os.environ.get("LLMDIAG_REQUIRE_BPF") == "1":
-        pytest.fail(f"LLMDIAG_REQUIRE_BPF=1 but this root test cannot run: {reason}", pytrace=False)
-    pytest.skip(reason)
-
-
-def _fake_engine(host: str, port: int) -> list[str]:
-    return [str(LLMDIAG), "fake-engine", "--host", host, "--port", str(port)]
-
-
-def _wait_listening(proc: subprocess.Popen[bytes], port: int) -> None:
-    """Until the engine's socket is in its namespace's table (a readiness wait, not an assertion)."""
-    needle = f":{port:04X} 00000000:0000 0A"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"fake-engine exited {proc.returncode}: {proc.stderr.read().decode() if proc.stderr else ''}")
-        try:
-            if needle in Path(f"/proc/{proc.pid}/net/tcp").read_text():
-                return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    pytest.fail(f"fake-engine in its namespace never listened on port {port}")
-
-
-@contextlib.contextmanager
-def network_namespace_pod(engines: list[tuple[list[str], int]], env: dict[str, str], cwd: str | None = None) -> Iterator[Pod]:
-    """A pod-like network namespace running each ``(argv, port)`` of ``engines`` until its port listens.
-
-    Everything is removed on the way out, also when set-up fails half-way."""
-    if shutil.which("ip") is None:
-        _cannot("no `ip` command (iproute2) to create a network namespace")
-    tag = f"{os.getpid() % 100000}"
-    netns, host_end, pod_end = f"llmdiag-test-{tag}", f"ldh{tag}", f"ldp{tag}"
-    made = _ip("netns", "add", netns, check=False)
-    if made.returncode != 0:
-        _cannot(f"`ip netns add` failed: {made.stderr.strip()}")
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        subnet = _free_subnet()
-        gateway, address = (str(h) for h in subnet.hosts())
-        _ip("link", "add", host_end, "type", "veth", "peer", "name", pod_end, "netns", netns)
-        _ip("-n", netns, "link", "set", pod_end, "name", "eth0")
-        _ip("-n", netns, "addr", "add", f"{address}/30", "dev", "eth0")
-        _ip("-n", netns, "link", "set", "eth0", "up")
-        _ip("-n", netns, "link", "set", "lo", "up")
-        _ip("-n", netns, "route", "add", "default", "via", gateway)
-        _ip("addr", "add", f"{gateway}/30", "dev", host_end)
-        _ip("link", "set", host_end, "up")
-        for argv, _port in engines:
-            procs.append(subprocess.Popen(["ip", "netns", "exec", netns, *argv], env={**os.environ, **env}, cwd=cwd,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-        for proc, (_argv, port) in zip(procs, engines, strict=True):
-            _wait_listening(proc, port)
-        yield Pod(f"net:[{os.stat(f'/run/netns/{netns}').st_ino}]", address, gateway, procs)
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        # Deleting the host end removes its peer at once; `ip netns del` alone frees the pair later.
-        _ip("link", "del", host_end, check=False)
-        _ip("netns", "del", netns, check=False)
-    assert netns not in _ip("netns", "list").stdout, "the test namespace was left behind"
-    assert _ip("link", "show", host_end, check=False).returncode != 0, "the test veth was left behind"
-
-
 @pytest.fixture
 def pod() -> Iterator[Pod]:
     """fake-engine on 0.0.0.0:PORT and another on 127.0.0.1:LOOPBACK_PORT, with downward-API-like env."""
-    with network_namespace_pod([(_fake_engine("0.0.0.0", PORT), PORT),
-                                (_fake_engine("127.0.0.1", LOOPBACK_PORT), LOOPBACK_PORT)], POD_ENV) as made:
+    with network_namespace_pod([(fake_engine_argv("0.0.0.0", PORT), PORT),
+                                (fake_engine_argv("127.0.0.1", LOOPBACK_PORT), LOOPBACK_PORT)], POD_ENV) as made:
         yield made
 
 

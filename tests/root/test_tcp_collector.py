@@ -44,7 +44,7 @@ def _snapshot(collector: TcpCollector) -> Snapshot:
     return snap
 
 
-def _settle(collector: TcpCollector, predicate, timeout: float = 3.0) -> Snapshot:
+def _settle(collector: TcpCollector, predicate, timeout: float = 10.0) -> Snapshot:
     """Collect until ``predicate(snapshot)`` (softirq work on loopback can lag the syscalls a little)."""
     deadline = time.monotonic() + timeout
     while True:
