@@ -158,11 +158,11 @@ class Http2Collector:
         """Re-read /proc: backend pids into ``watched_pids``, their connections into ``conns``."""
         scanned_at = self.monotonic_ns()
         # Backends still counted by their port: their listeners are in the agent's namespace.
-        ports = {subject for subject, (port, names) in self._subjects.items() if subject == port and names}
-        found = backend_sockets(ports, self.proc_root)
-        pid_subjects = {pid: ports[0] for pid, ports in found.pid_ports.items()}
+        by_port = {subject for subject, (port, names) in self._subjects.items() if subject == port and names}
+        found = backend_sockets(by_port, self.proc_root)
+        pid_subjects = {pid: owned[0] for pid, owned in found.pid_ports.items()}
         connections = dict(found.connections)
-        listening = {port for ports in found.pid_ports.values() for port in ports}
+        listening = {port for owned in found.pid_ports.values() for port in owned}
         for name, pid in list(self._pod_pids.items()):
             subject = self._subject_of[name]
             fds = pid_sockets(pid, self._subjects[subject][0], self.proc_root)
