@@ -39,7 +39,7 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +57,7 @@ __all__ = [
     "UnreachableListener",
     "discover",
     "discover_engines",
+    "established_sockets",
     "listening_sockets",
     "socket_owners",
 ]
@@ -64,6 +65,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _LISTEN = "0A"  # TCP_LISTEN in include/net/tcp_states.h, as /proc/net/tcp prints it (hex)
+_ESTABLISHED = "01"
 
 #: Ports that speak something other than HTTP and would only waste a probe
 #: (ssh, smtp, dns, rpcbind, nfs, mysql, postgres, redis, memcached, etcd).
@@ -105,8 +107,13 @@ def listening_sockets(proc_root: str | os.PathLike[str] = "/proc", pid: int | No
                     for family, addr, port, inode in iter_listening()]
         except (SockDiagError, OSError, ValueError) as exc:
             log.debug("sock_diag listing of listening sockets failed (%s): reading /proc/net/tcp", exc)
-    out: list[ListeningSocket] = []
     net = Path(proc_root) / "net" if pid is None else Path(proc_root) / str(pid) / "net"
+    return [sock for sock, _remote_port in _table_sockets(net, _LISTEN)]
+
+
+def _table_sockets(net: Path, state: str) -> Iterator[tuple[ListeningSocket, int]]:
+    """The sockets in ``state`` (its hex code) of ``net``'s ``tcp`` and ``tcp6`` tables: each by its
+    local address, and its remote port."""
     for name, family, decode in (("tcp", socket.AF_INET, _ipv4), ("tcp6", socket.AF_INET6, _ipv6)):
         try:
             lines = (net / name).read_text().splitlines()[1:]
@@ -114,14 +121,25 @@ def listening_sockets(proc_root: str | os.PathLike[str] = "/proc", pid: int | No
             continue
         for line in lines:
             fields = line.split()
-            if len(fields) < 10 or fields[3] != _LISTEN:
+            if len(fields) < 10 or fields[3] != state:
                 continue
             try:
                 addr, port_hex = fields[1].split(":")
-                out.append(ListeningSocket(decode(addr), int(port_hex, 16), int(fields[9]), family))
-            except (ValueError, OSError, struct.error):
+                sock = ListeningSocket(decode(addr), int(port_hex, 16), int(fields[9]), family)
+                remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+            except (ValueError, OSError, struct.error, IndexError):
                 continue
-    return out
+            yield sock, remote_port
+
+
+def established_sockets(pid: int, ports: Iterable[int],
+                        proc_root: str | os.PathLike[str] = "/proc") -> list[tuple[ListeningSocket, int]]:
+    """The ESTABLISHED TCP sockets on a local port in ``ports`` of the network namespace ``pid`` is
+    in (``/proc/PID/net/tcp*``: sock_diag answers only for the reader's namespace): each by its
+    local address, and its remote port; [] when the process is gone."""
+    wanted = set(ports)
+    return [(s, rport) for s, rport in _table_sockets(Path(proc_root) / str(pid) / "net", _ESTABLISHED)
+            if s.port in wanted]
 
 
 def socket_owners(inodes: Iterable[int], proc_root: str | os.PathLike[str] = "/proc",

@@ -35,7 +35,8 @@ remote port)`` pairs go into the BPF ``own_conns`` map before they connect, and
 the program leaves them out from either end.
 
 Counters are ``_total`` since the program was loaded (cumulative map reads).
-``tcp_connections_active`` is the count from a sock_diag dump at start plus
+``tcp_connections_active`` is the count from a sock_diag dump at start (and, for a
+backend in another network namespace, its process's ``/proc/PID/net/tcp*``) plus
 the BPF delta since: connections opened before the agent are counted.
 
 Attach points are chosen by feature probe: sends from ``sock_send_length``
@@ -62,7 +63,9 @@ from typing import Any
 from llmdiag.bpf import features
 from llmdiag.bpf.loader import BPFUnavailable, Program, check_environment, program_tracepoints
 from llmdiag.collectors.base import AttachNeed
+from llmdiag.collectors.discovery import established_sockets
 from llmdiag.collectors.histogram import histogram_quantiles
+from llmdiag.collectors.netns import namespace_of
 from llmdiag.collectors.own_sockets import OWN_PORTS, OwnPorts, Pair
 from llmdiag.collectors.sample_reuse import SampleReuse
 from llmdiag.collectors.sockdiag import SockDiagError, format_endpoint, iter_tcp
@@ -155,6 +158,13 @@ def _calibrate() -> None:
             continue  # no IPv6 on this host: IPv6 sockets are learned from real traffic
 
 
+def _endpoint(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> str:
+    """``ip:port`` as :func:`~llmdiag.collectors.sockdiag.format_endpoint` writes it."""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return f"{ip}:{port}" if ip.version == 4 else f"[{ip.compressed}]:{port}"
+
+
 def _backend_endpoint(backend: Backend) -> tuple[str | None, bool]:
     """``(local "ip:port" as format_endpoint writes it, or None for a host name; whether the
     URL says "this host's own namespace": 127.0.0.1, ::1, localhost, or an unspecified address)``."""
@@ -167,8 +177,7 @@ def _backend_endpoint(backend: Backend) -> tuple[str | None, bool]:
         return None, False
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    text = f"{ip}:{backend.port}" if ip.version == 4 else f"[{ip.compressed}]:{backend.port}"
-    return text, ip.is_unspecified or str(ip) in ("127.0.0.1", "::1")
+    return _endpoint(ip, backend.port), ip.is_unspecified or str(ip) in ("127.0.0.1", "::1")
 
 
 def _find_listener_pids(ports: set[int]) -> set[int]:
@@ -361,7 +370,31 @@ class TcpCollector:
                 counts[key] = counts.get(key, 0) + 1
         except (SockDiagError, OSError) as exc:
             self._problems.append(f"no start count of open connections: {exc}")
+        self._established_in_pods(counts, own)
         return counts
+
+    def _established_in_pods(self, counts: dict[tuple[int, str], int], own_pairs: frozenset[Pair]) -> None:
+        """Add the server-side connections of backends in other network namespaces (pod engines),
+        which the sock_diag dump (the agent's namespace only) does not see: read through each
+        backend's process, once per namespace (``/proc/PID/net/tcp*``)."""
+        own_netns = namespace_of("/proc", "self")
+        done: set[str] = set()
+        for backend in self.backends:
+            if not backend.pid or backend.port not in self.server_ports:
+                continue
+            netns = namespace_of("/proc", backend.pid)
+            if netns is None or netns == own_netns or netns in done:
+                continue
+            done.add(netns)
+            for sock, rport in established_sockets(backend.pid, self.server_ports):
+                if (rport, sock.port) in own_pairs:
+                    continue  # llmdiag's own scrape, seen from the engine's end
+                try:
+                    local = _endpoint(ipaddress.ip_address(sock.host), sock.port)
+                except ValueError:
+                    continue
+                key = (SIDE_SERVER, self._server_subject(sock.port, local))
+                counts[key] = counts.get(key, 0) + 1
 
     def _refresh_pids(self, now: float) -> None:
         if self.program is None or not self.config.send_timing:

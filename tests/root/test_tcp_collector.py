@@ -510,3 +510,30 @@ def test_backends_sharing_a_port_are_told_apart_by_the_address_reached(with_node
     assert snap.backends["pod-a"]["tcp_connections_active"] == 1  # opened before start: told apart by address too
     assert snap.backends["pod-b"]["tcp_connections_active"] == 1
     assert snap.host["tcp_sock_common_mismatch_total"] == 0
+
+
+def test_a_pod_engines_connections_opened_before_start_are_counted() -> None:
+    # The start count comes from sock_diag, which answers for the agent's namespace only; a pod
+    # engine's connections are read through its process. Without that, closing them later drove
+    # the pod backend's count below zero (shown as 0) and hid that many live connections for good.
+    from pod_support import fake_engine_argv, network_namespace_pod  # noqa: PLC0415
+
+    port = 18141
+    with network_namespace_pod([(fake_engine_argv("0.0.0.0", port), port)], {}, tag="t") as pod:
+        early = [socket.create_connection((pod.address, port), timeout=20) for _ in range(2)]
+        backend = Backend.from_url(f"http://{pod.address}:{port}", name="pod").with_process(pod.engine.pid)
+        collector = TcpCollector(TcpConfig(), [backend])
+        assert collector.unavailable is None, collector.unavailable
+        try:
+            snap = _settle(collector, lambda s: s.backends["pod"]["tcp_connections_active"] == 2)
+            assert snap.backends["pod"]["tcp_connections_active"] == 2
+            late = socket.create_connection((pod.address, port), timeout=20)
+            for sock in early:
+                sock.close()
+            snap = _settle(collector, lambda s: s.backends["pod"]["tcp_connections_active"] == 1)
+            assert snap.backends["pod"]["tcp_connections_active"] == 1  # the late one, not 0 (= 1 - 2, clamped)
+            late.close()
+            snap = _settle(collector, lambda s: s.backends["pod"]["tcp_connections_active"] == 0)
+            assert snap.backends["pod"]["tcp_connections_active"] == 0
+        finally:
+            collector.close()
