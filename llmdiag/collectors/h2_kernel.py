@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,17 +159,21 @@ class H2Kernel:
             leaf.port = port
             table[table.Key(pid)] = leaf
 
-    def sync_connections(self, connections: Mapping[tuple[int, int], int], scanned_at_ns: int) -> int:
+    def sync_connections(self, connections: Mapping[tuple[int, int], int], scanned_at_ns: int,
+                         scanned_pids: Container[int] | None = None) -> int:
         """Insert the (pid, fd) -> port pairs that are missing; drop entries for
         pairs that are no longer sockets on a backend port (closed or reused
         fds) unless the program created them after the /proc scan began.
-        Returns how many pairs were inserted."""
+        ``scanned_pids``: the processes whose fds this scan read (None: all); the
+        entries of the others are kept as they are. Returns how many pairs were inserted."""
         table = self.program.table("conns")
         inserted = 0
         existing: dict[tuple[int, int], Any] = {}
         for key, value in table.items():
             existing[(int(key.tgid), int(key.fd))] = value
         for (pid, fd), value in existing.items():
+            if scanned_pids is not None and pid not in scanned_pids:
+                continue
             if (pid, fd) not in connections and int(value.created_ns) < scanned_at_ns:
                 key = table.Key()
                 key.tgid, key.fd = pid, fd

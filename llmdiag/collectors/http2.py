@@ -136,6 +136,8 @@ class Http2Collector:
         self._subjects: dict[int, tuple[int, tuple[str, ...]]] = {}  # subject -> (port, backend names)
         self._pod_pids: dict[str, int] = {}  # backend name -> its process in another namespace
         self._pod_lookup_ns: int | None = None
+        self._pod_tables_ns: int | None = None
+        self._watched: dict[int, int] = {}  # pid -> subject at the last refresh
         self._own_netns = namespace_of(proc_root, "self")
         self._map_subjects()
         self._events: deque[H2Event] = deque(maxlen=self.config.recent_events)
@@ -163,25 +165,42 @@ class Http2Collector:
         pid_subjects = {pid: owned[0] for pid, owned in found.pid_ports.items()}
         connections = dict(found.connections)
         listening = {port for owned in found.pid_ports.values() for port in owned}
+        scanned = set(found.pid_ports)
+        # A pod's table (/proc/PID/net/tcp*) costs a walk of the kernel's whole TCP hash table (~5 ms
+        # each here), so a pod backend's sockets are read every POD_LOOKUP_SECONDS; in between its
+        # process is only checked to be there, and the program adopts new connections itself (by
+        # their preface) as it does between refreshes.
+        read_pods = self._pod_tables_ns is None or scanned_at - self._pod_tables_ns >= POD_LOOKUP_SECONDS * 1e9
+        if read_pods:
+            self._pod_tables_ns = scanned_at
         for name, pid in list(self._pod_pids.items()):
             subject = self._subject_of[name]
-            fds = pid_sockets(pid, self._subjects[subject][0], self.proc_root)
-            if fds is None:
-                del self._pod_pids[name]  # gone (or restarted with a new pid): looked for again
+            if read_pods:
+                fds = pid_sockets(pid, self._subjects[subject][0], self.proc_root)
+                if fds is None:
+                    del self._pod_pids[name]  # gone (or restarted with a new pid): looked for again
+                    continue
+                connections.update({(pid, fd): subject for fd in fds})
+                scanned.add(pid)
+            elif not os.path.exists(os.path.join(self.proc_root, str(pid))):
+                del self._pod_pids[name]
                 continue
             pid_subjects[pid] = subject
-            connections.update({(pid, fd): subject for fd in fds})
             listening.add(subject)
         if self._pod_lookup_due(scanned_at, listening):
             self._pod_lookup_ns = scanned_at
             for pid, subject, fds in self._find_pod_backends(listening):
                 pid_subjects[pid] = subject
                 connections.update({(pid, fd): subject for fd in fds})
+                scanned.add(pid)
                 listening.add(subject)
         self._listening = listening
         self._seen_ports.update(listening)
         self.kernel.set_pids(pid_subjects)
-        self.kernel.sync_connections(connections, scanned_at)
+        # Only the processes whose fds were read now lose the entries that the read did not find,
+        # and a process no longer watched loses all of its entries.
+        self.kernel.sync_connections(connections, scanned_at, scanned | (set(self._watched) - set(pid_subjects)))
+        self._watched = dict(pid_subjects)
         self._last_refresh_ns = scanned_at
 
     def _pod_lookup_due(self, now_ns: int, listening: set[int]) -> bool:
