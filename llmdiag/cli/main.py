@@ -25,6 +25,8 @@ import math
 import os
 import signal
 import sys
+import threading
+import types
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -141,8 +143,19 @@ def _merge_global_options(args: argparse.Namespace) -> None:
             delattr(args, name)
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
+def _raise_interrupt(signum: int, frame: types.FrameType | None) -> None:
+    if frame is not None and _exceptions_dropped_in(frame.f_code):
+        # Python prints and drops an exception raised in a weakref callback or a __del__ (the
+        # import machinery runs one, _get_module_lock's ``cb``, at every import): raised now, the
+        # interrupt would be lost and a SIGTERM during start-up ignored. Deliver it again once
+        # that code has returned.
+        threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+        return
     raise KeyboardInterrupt
+
+
+def _exceptions_dropped_in(code: types.CodeType) -> bool:
+    return code.co_name == "__del__" or (code.co_name == "cb" and code.co_filename.startswith("<frozen importlib"))
 
 
 def _install_interrupt_handlers() -> dict[int, object]:
