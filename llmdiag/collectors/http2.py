@@ -54,8 +54,8 @@ from dataclasses import dataclass
 from llmdiag.bpf.loader import BPFUnavailable, program_tracepoints
 from llmdiag.collectors.base import AttachNeed
 from llmdiag.collectors.h2_kernel import ConnectionCounters, H2Kernel, RawEvent, code_counts, code_name
-from llmdiag.collectors.discovery import local_backend_pids
-from llmdiag.collectors.h2_procnet import backend_sockets, pid_sockets
+from llmdiag.collectors.discovery import listening_sockets, local_backend_pids
+from llmdiag.collectors.h2_procnet import BackendSockets, backend_sockets, pid_sockets
 from llmdiag.collectors.netns import namespace_of
 from llmdiag.config import Config
 from llmdiag.config.http2 import Http2Config
@@ -68,6 +68,8 @@ log = logging.getLogger("llmdiag.collectors.http2")
 #: How often backends with no listener in the agent's namespace are looked for in other namespaces
 #: (reading every namespace's addresses is too much for every refresh).
 POD_LOOKUP_SECONDS = 10.0
+#: How often the connection tables are read when no listener changed (see Http2Collector.refresh).
+TABLES_SECONDS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +138,9 @@ class Http2Collector:
         self._subjects: dict[int, tuple[int, tuple[str, ...]]] = {}  # subject -> (port, backend names)
         self._pod_pids: dict[str, int] = {}  # backend name -> its process in another namespace
         self._pod_lookup_ns: int | None = None
-        self._pod_tables_ns: int | None = None
+        self._tables_ns: int | None = None  # when the connection tables were last read
+        self._own_found: BackendSockets | None = None  # what that read found in the agent's namespace
+        self._own_listeners: frozenset[tuple[int, int]] | None = None  # the listeners it found them by
         self._watched: dict[int, int] = {}  # pid -> subject at the last refresh
         self._own_netns = namespace_of(proc_root, "self")
         self._map_subjects()
@@ -156,26 +160,35 @@ class Http2Collector:
             subjects[subject] = (port, names + (backend.name,))
         self._subjects = subjects
 
-    def refresh(self) -> None:
-        """Re-read /proc: backend pids into ``watched_pids``, their connections into ``conns``."""
+    def refresh(self, full: bool = True) -> None:
+        """Re-read /proc: backend pids into ``watched_pids``, their connections into ``conns``.
+
+        Reading the connection tables (``/proc/net/tcp*``, or a pod's ``/proc/PID/net/tcp*``) costs a
+        walk of the kernel's whole TCP hash table, ~5 ms of CPU per table here whatever the number of
+        sockets: ~1 % of a core at one refresh a second. So ``full=False`` (what :meth:`collect`
+        does every ``refresh_seconds``) reads only the listeners (sock_diag walks just the
+        listening hash) and checks that the pods' processes are there; the tables are read again
+        when a listener changed, and every :data:`TABLES_SECONDS`. In between, the program adopts
+        new connections itself, by their preface. ``full=True`` reads everything now."""
         scanned_at = self.monotonic_ns()
         # Backends still counted by their port: their listeners are in the agent's namespace.
         by_port = {subject for subject, (port, names) in self._subjects.items() if subject == port and names}
-        found = backend_sockets(by_port, self.proc_root)
+        listeners = self._listeners(by_port)
+        read_tables = (full or self._own_found is None or listeners is None or listeners != self._own_listeners
+                       or self._tables_ns is None or scanned_at - self._tables_ns >= TABLES_SECONDS * 1e9)
+        if read_tables:
+            found = backend_sockets(by_port, self.proc_root)
+            self._own_found, self._own_listeners, self._tables_ns = found, listeners, scanned_at
+            connections = dict(found.connections)
+            scanned = set(found.pid_ports)
+        else:
+            found = self._own_found
+            connections, scanned = {}, set()  # the program's entries for these pids stay as they are
         pid_subjects = {pid: owned[0] for pid, owned in found.pid_ports.items()}
-        connections = dict(found.connections)
         listening = {port for owned in found.pid_ports.values() for port in owned}
-        scanned = set(found.pid_ports)
-        # A pod's table (/proc/PID/net/tcp*) costs a walk of the kernel's whole TCP hash table (~5 ms
-        # each here), so a pod backend's sockets are read every POD_LOOKUP_SECONDS; in between its
-        # process is only checked to be there, and the program adopts new connections itself (by
-        # their preface) as it does between refreshes.
-        read_pods = self._pod_tables_ns is None or scanned_at - self._pod_tables_ns >= POD_LOOKUP_SECONDS * 1e9
-        if read_pods:
-            self._pod_tables_ns = scanned_at
         for name, pid in list(self._pod_pids.items()):
             subject = self._subject_of[name]
-            if read_pods:
+            if read_tables:
                 fds = pid_sockets(pid, self._subjects[subject][0], self.proc_root)
                 if fds is None:
                     del self._pod_pids[name]  # gone (or restarted with a new pid): looked for again
@@ -202,6 +215,16 @@ class Http2Collector:
         self.kernel.sync_connections(connections, scanned_at, scanned | (set(self._watched) - set(pid_subjects)))
         self._watched = dict(pid_subjects)
         self._last_refresh_ns = scanned_at
+
+    def _listeners(self, ports: set[int]) -> frozenset[tuple[int, int]] | None:
+        """``(inode, port)`` of the LISTEN sockets on ``ports`` in the agent's namespace (None: unreadable)."""
+        if not ports:
+            return frozenset()
+        try:
+            return frozenset((s.inode, s.port) for s in listening_sockets(self.proc_root) if s.port in ports)
+        except Exception as exc:  # noqa: BLE001 - then the tables are read, as before
+            log.debug("http2: listing the listeners failed: %s", exc)
+            return None
 
     def _pod_lookup_due(self, now_ns: int, listening: set[int]) -> bool:
         if all(subject in listening for subject, (_, names) in self._subjects.items() if names):
@@ -262,7 +285,7 @@ class Http2Collector:
     # -- collecting ---------------------------------------------------------------
     def collect(self, now: float) -> list[Sample]:
         if self._refresh_due():
-            self.refresh()
+            self.refresh(full=False)
         self._take_events()
         stats = self.kernel.read_stats()
         conns = self.kernel.read_connections()
