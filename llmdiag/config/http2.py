@@ -23,7 +23,8 @@ class Http2Config:
     max_runs: int = 32
     #: RST_STREAM/GOAWAY events kept in memory for correlation (most recent first out).
     recent_events: int = 1024
-    #: Seconds between re-reads of /proc for backend pids and their sockets.
+    #: Seconds between checks of the backends' listeners; the connection tables are read again
+    #: when a listener changed, and every 10 s (each read walks the kernel's whole TCP table).
     refresh_seconds: float = 1.0
 
     def __post_init__(self) -> None:
