@@ -26,9 +26,8 @@ import os
 import signal
 import sys
 import threading
-import types
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 #: Subcommand modules, in the order ``--help`` lists them.
 COMMAND_MODULES = (
@@ -143,32 +142,52 @@ def _merge_global_options(args: argparse.Namespace) -> None:
             delattr(args, name)
 
 
-def _raise_interrupt(signum: int, frame: types.FrameType | None) -> None:
-    if frame is not None and _exceptions_dropped_in(frame.f_code):
-        # Python prints and drops an exception raised in a weakref callback or a __del__ (the
-        # import machinery runs one, _get_module_lock's ``cb``, at every import): raised now, the
-        # interrupt would be lost and a SIGTERM during start-up ignored. Deliver it again once
-        # that code has returned.
-        threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
-        return
+def _raise_interrupt(signum: int, frame: object) -> None:
+    _last_interrupt[0] = signum
     raise KeyboardInterrupt
 
 
-def _exceptions_dropped_in(code: types.CodeType) -> bool:
-    return code.co_name == "__del__" or (code.co_name == "cb" and code.co_filename.startswith("<frozen importlib"))
+#: The signal behind the last KeyboardInterrupt raised by _raise_interrupt.
+_last_interrupt = [int(signal.SIGINT)]
+
+
+def _redeliver_dropped_interrupt(unraisable: Any) -> None:
+    """``sys.unraisablehook`` while the handlers are in: Python prints and drops an exception raised
+    in a weakref callback, a ``__del__`` or a gc callback (the import machinery runs a weakref
+    callback, ``_get_module_lock``'s ``cb``, at every import). A signal handled there would be lost
+    and a SIGTERM during start-up ignored, so the signal is delivered again once that code has
+    returned. Anything else goes to the hook that was there before."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        threading.Timer(0.01, os.kill, (os.getpid(), _last_interrupt[0])).start()
+        return
+    _previous_unraisablehook(unraisable)
+
+
+_previous_unraisablehook = sys.unraisablehook
 
 
 def _install_interrupt_handlers() -> dict[int, object]:
     """SIGINT and SIGTERM (kubectl delete, timeout, systemd) both raise KeyboardInterrupt,
     so every command's ``finally`` runs (BPF programs detached, threads joined, terminal
     restored) and the exit code is 130. Returns the previous handlers."""
+    global _previous_unraisablehook  # noqa: PLW0603 - one hook per process, put back by main()
     previous: dict[int, object] = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
             previous[sig] = signal.signal(sig, _raise_interrupt)
         except ValueError:  # not the main thread (main() called from a test thread)
             break
+    if previous and sys.unraisablehook is not _redeliver_dropped_interrupt:
+        _previous_unraisablehook, sys.unraisablehook = sys.unraisablehook, _redeliver_dropped_interrupt
     return previous
+
+
+def _restore_interrupt_handlers(previous: dict[int, object]) -> None:
+    """Put back what :func:`_install_interrupt_handlers` replaced."""
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)  # type: ignore[arg-type]
+    if previous and sys.unraisablehook is _redeliver_dropped_interrupt:
+        sys.unraisablehook = _previous_unraisablehook
 
 
 def _stdout_to_devnull() -> None:
@@ -191,8 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _stdout_to_devnull()
         return 0  # the reader stopped reading: what it read was complete
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+        _restore_interrupt_handlers(previous)
 
 
 def _main(argv: Sequence[str] | None) -> int:
