@@ -50,7 +50,6 @@ tracepoint on every send/write syscall of the host.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 import socket
@@ -69,6 +68,7 @@ from llmdiag.collectors.netns import namespace_of
 from llmdiag.collectors.own_sockets import OWN_PORTS, OwnPorts, Pair
 from llmdiag.collectors.sample_reuse import SampleReuse
 from llmdiag.collectors.sockdiag import SockDiagError, format_endpoint, iter_tcp
+from llmdiag.collectors.timewait import backend_destination
 from llmdiag.config.tcp import TcpConfig
 from llmdiag.model import Backend, CollectorState, CollectorStatus, Distribution, Labelled, Sample, Scope
 
@@ -158,26 +158,12 @@ def _calibrate() -> None:
             continue  # no IPv6 on this host: IPv6 sockets are learned from real traffic
 
 
-def _endpoint(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> str:
-    """``ip:port`` as :func:`~llmdiag.collectors.sockdiag.format_endpoint` writes it."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return f"{ip}:{port}" if ip.version == 4 else f"[{ip.compressed}]:{port}"
-
-
-def _backend_endpoint(backend: Backend) -> tuple[str | None, bool]:
-    """``(local "ip:port" as format_endpoint writes it, or None for a host name; whether the
-    URL says "this host's own namespace": 127.0.0.1, ::1, localhost, or an unspecified address)``."""
-    host = backend.host.strip("[]")
-    if host == "localhost":
-        host = "127.0.0.1"
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return None, False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return _endpoint(ip, backend.port), ip.is_unspecified or str(ip) in ("127.0.0.1", "::1")
+def _backend_endpoint(backend: Backend) -> tuple[str, bool]:
+    """``(local "ip:port" as the kernel names it (timewait.backend_destination), whether the URL
+    says "this host's own namespace": 127.0.0.1, ::1, localhost, or an unspecified address)``."""
+    endpoint = backend_destination(backend)
+    host = endpoint.rsplit(":", 1)[0].strip("[]")
+    return endpoint, host in ("127.0.0.1", "::1", "0.0.0.0", "::")
 
 
 def _find_listener_pids(ports: set[int]) -> set[int]:
@@ -269,8 +255,6 @@ class TcpCollector:
             rest = None
             for backend in sharers:
                 endpoint, node_local = _backend_endpoint(backend)
-                if endpoint is None:
-                    continue  # a host name: no address to match (its traffic goes to the rest)
                 owners[endpoint] = endpoint
                 self._server_names.setdefault(endpoint, []).append(backend.name)
                 self._server_subjects.add(endpoint)
@@ -389,10 +373,7 @@ class TcpCollector:
             for sock, rport in established_sockets(backend.pid, self.server_ports):
                 if (rport, sock.port) in own_pairs:
                     continue  # llmdiag's own scrape, seen from the engine's end
-                try:
-                    local = _endpoint(ipaddress.ip_address(sock.host), sock.port)
-                except ValueError:
-                    continue
+                local = format_endpoint(sock.family, socket.inet_pton(sock.family, sock.host), sock.port)
                 key = (SIDE_SERVER, self._server_subject(sock.port, local))
                 counts[key] = counts.get(key, 0) + 1
 
