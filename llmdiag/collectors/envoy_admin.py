@@ -157,15 +157,15 @@ class EnvoyAdminCollector:
         self._last_ok_ts: float | None = None
         self._errors_total = 0
 
-    def _time_left(self, started: float) -> float:
+    def _time_left(self, elapsed: float) -> float:
+        """The timeout of a read started ``elapsed`` seconds into this collect."""
         if self.deadline_seconds is None:
             return self.config.timeout_seconds
-        return min(self.config.timeout_seconds, self.deadline_seconds - (self._monotonic() - started))
+        return min(self.config.timeout_seconds, self.deadline_seconds - elapsed)
 
     def collect(self, now: float) -> list[Sample]:
         started = self._monotonic()
-        first = self.config.timeout_seconds if self.deadline_seconds is None else min(self.config.timeout_seconds, self.deadline_seconds)
-        clusters_answer = self._fetch(f"{self._base}/clusters?format=json", first,
+        clusters_answer = self._fetch(f"{self._base}/clusters?format=json", self._time_left(0.0),
                                       self.config.max_bytes, "application/json")
         if not clusters_answer.ok:
             return self._failed(f"{self._base}/clusters: {clusters_answer.error}")
@@ -176,7 +176,7 @@ class EnvoyAdminCollector:
         if not isinstance(doc, Mapping) or not isinstance(doc.get("cluster_statuses"), list):
             return self._failed(f"{self._base}/clusters: no cluster_statuses (is this an Envoy admin port?)")
         clusters = parse_clusters(doc, self.config.clusters)
-        left = self._time_left(started)
+        left = self._time_left(self._monotonic() - started)
         if left < _MIN_READ_SECONDS:
             # A slow /clusters used up the tick's share: the resets wait for the next tick.
             resets, why = None, f"no time left in the tick's {self.deadline_seconds:.2g} s for /stats"
